@@ -1,0 +1,33 @@
+"""lightning_memest: the memory and FLOPs of one training step, estimated on fake tensors, then proven.
+
+Example:
+    >>> import torch
+    >>> from lightning_memest import estimate_step
+    >>> est = estimate_step(torch.nn.Linear(64, 64), torch.randn(8, 64), optimizer=torch.optim.Adam)
+    >>> est.steady_state.breakdown.optimizer_state  # Adam's exp_avg and exp_avg_sq, and its step counter
+    33288
+"""
+
+from lightning_memest.errors import EstimationError, MemestError
+from lightning_memest.estimate import estimate_step
+from lightning_memest.report import (
+    Breakdown,
+    DataDependentRead,
+    ModuleStats,
+    Peak,
+    StepEstimate,
+    TimelinePoint,
+)
+
+__all__ = [
+    "Breakdown",
+    "DataDependentRead",
+    "EstimationError",
+    "MemestError",
+    "ModuleStats",
+    "Peak",
+    "StepEstimate",
+    "TimelinePoint",
+    "estimate_step",
+]
+__version__ = "0.1.0.dev0"

@@ -1,0 +1,163 @@
+"""Allocator models: the event stream replayed into live bytes.
+
+``replay`` is the exact model of an allocator that hands out what is asked for and takes it back at
+once (PyTorch's CPU allocator): live bytes are the sum of the live storages' sizes, plus what kernel
+models say real kernels allocate beyond the fake ones (under-reported outputs, transient workspaces).
+The CUDA caching allocator model comes later and consumes the same stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from lightning_memest.engine.events import Alloc, Event, Free, OpCall, OpEvent, Resize, Role, Tag
+
+ROLE_ORDER: tuple[Role, ...] = tuple(Role)
+_TEMPORARY = len(ROLE_ORDER)  # the breakdown slot of storages with no role
+
+
+class KernelEffect(Protocol):
+    """What a kernel model reports (``accounting.kernels.KernelMemory``)."""
+
+    @property
+    def workspace_bytes(self) -> int: ...
+
+    @property
+    def workspace_after_outputs(self) -> bool: ...
+
+    @property
+    def extra_output_bytes(self) -> tuple[int, ...] | None: ...
+
+
+KernelFn = Callable[[OpCall], KernelEffect | None]
+
+
+@dataclass(frozen=True)
+class OpSample:
+    """Live bytes at one op's high point (its outputs and workspace allocated, nothing freed yet)."""
+
+    event: OpEvent
+    live_bytes: int
+
+
+@dataclass(frozen=True)
+class StepPeak:
+    step: int
+    """0-based index of the simulated step."""
+    live_bytes: int
+    by_role: tuple[int, ...]
+    """Bytes per role in ``ROLE_ORDER``, then temporaries (storages with no role, and workspaces)."""
+    event: OpEvent
+
+
+@dataclass(frozen=True)
+class Replay:
+    samples: tuple[OpSample, ...]
+    peaks: tuple[StepPeak, ...]
+    roles: dict[int, Role]
+    """The role of each storage handle that has one."""
+
+
+def final_roles(events: Sequence[Event]) -> dict[int, Role]:
+    """Each storage's role: of all tags it gets in the run, the first in ``ROLE_ORDER``."""
+    rank = {role: i for i, role in enumerate(ROLE_ORDER)}
+    roles: dict[int, Role] = {}
+    for e in events:
+        if type(e) is Tag:
+            current = roles.get(e.storage)
+            if current is None or rank[e.role] < rank[current]:
+                roles[e.storage] = e.role
+    return roles
+
+
+class _Replayer:
+    """Live bytes as the events go by; one instance per replay."""
+
+    def __init__(self, roles: dict[int, Role], steps: int, kernel_fn: KernelFn | None) -> None:
+        self.slot_of = {handle: ROLE_ORDER.index(role) for handle, role in roles.items()}
+        self.kernel_fn = kernel_fn
+        self.size: dict[int, int] = {}
+        self.growth: dict[int, int] = {}  # outputs a kernel model says are larger than faked
+        self.by_slot = [0] * (len(ROLE_ORDER) + 1)
+        self.live = 0
+        self.samples: list[OpSample] = []
+        self.best: list[StepPeak | None] = [None] * steps
+        self.op: OpEvent | None = None
+        self.workspace = 0
+        self.workspace_with_outputs = True
+        self.op_high = 0
+
+    def feed(self, e: Event) -> None:
+        kind = type(e)
+        if kind is Alloc:
+            assert isinstance(e, Alloc)
+            nbytes = e.nbytes + self.growth.pop(e.storage, 0)
+            self.size[e.storage] = nbytes
+            self.by_slot[self.slot_of.get(e.storage, _TEMPORARY)] += nbytes
+            self.live += nbytes
+            self._high(self.live + (self.workspace if self.workspace_with_outputs else 0))
+        elif kind is Free:
+            assert isinstance(e, Free)
+            nbytes = self.size.pop(e.storage)
+            self.by_slot[self.slot_of.get(e.storage, _TEMPORARY)] -= nbytes
+            self.live -= nbytes
+        elif kind is Resize:
+            assert isinstance(e, Resize)
+            delta = e.nbytes - self.size[e.storage]
+            self.size[e.storage] = e.nbytes
+            self.by_slot[self.slot_of.get(e.storage, _TEMPORARY)] += delta
+            self.live += delta
+            self._high(self.live)
+        elif kind is OpEvent:
+            assert isinstance(e, OpEvent)
+            self._close_op()
+            self.op = e
+            self.workspace, self.workspace_with_outputs = 0, True
+            effect = self.kernel_fn(e.call) if self.kernel_fn is not None and e.call is not None else None
+            if effect is not None:
+                self.workspace = effect.workspace_bytes
+                self.workspace_with_outputs = effect.workspace_after_outputs
+                if effect.extra_output_bytes is not None and e.outputs is not None:
+                    for handle, extra in zip(e.outputs, effect.extra_output_bytes, strict=False):
+                        if extra:
+                            self.growth[handle] = self.growth.get(handle, 0) + extra
+            self.op_high = -1
+            self._high(self.live + self.workspace)
+
+    def _high(self, value: int) -> None:
+        op = self.op
+        if op is None or value <= self.op_high:
+            return
+        self.op_high = value
+        step = op.step if op.step < len(self.best) else len(self.best) - 1
+        best = self.best[step]
+        if best is None or value > best.live_bytes:
+            by_role = list(self.by_slot)
+            by_role[_TEMPORARY] += value - self.live  # the workspace held at this moment
+            self.best[step] = StepPeak(step, value, tuple(by_role), op)
+
+    def _close_op(self) -> None:
+        if self.op is not None:
+            self.samples.append(OpSample(self.op, self.op_high))
+        self.op = None
+
+    def finish(self) -> Replay:
+        self._close_op()
+        peaks = tuple(p for p in self.best if p is not None)
+        return Replay(tuple(self.samples), peaks, {})
+
+
+def replay(events: Sequence[Event], steps: int, kernel_fn: KernelFn | None = None) -> Replay:
+    """Live bytes at every op's high point, and each step's peak with its breakdown by role.
+
+    Ops of the setup phase (step 0 before the first forward, e.g. optimizer construction) count
+    towards the first step.
+    """
+    roles = final_roles(events)
+    replayer = _Replayer(roles, steps, kernel_fn)
+    for e in events:
+        replayer.feed(e)
+    result = replayer.finish()
+    return Replay(result.samples, result.peaks, roles)

@@ -1,0 +1,152 @@
+"""Real, meta or fake modules and batches -> fake tensors of a target device, and back.
+
+The user's module is changed in place for the simulation (so that ``self`` inside their code is the
+module they wrote) and restored exactly afterwards: every module's attributes (also ones set lazily
+inside ``forward``, such as a cached positional-encoding tensor), parameters, buffers, submodules and
+training flags. The original ``Parameter`` objects are never touched, so ``requires_grad``, ``.grad``
+and the values stay as they were.
+
+No real memory is allocated: real tensors become fake through ``FakeTensorMode.from_tensor`` (which
+keeps shared storages shared), meta and foreign tensors through ``from_meta_and_device``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import tree_map_only
+
+# The mutable containers nn.Module keeps in its __dict__; their contents are restored, not only the
+# reference, because code may add to them in place (register_buffer inside forward, lazy modules).
+_MODULE_CONTAINERS = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
+
+
+@dataclass
+class _ModuleSnapshot:
+    module: nn.Module
+    attributes: dict[str, Any]
+    containers: dict[str, Any]
+
+
+class FakeConverter:
+    """Turns tensors into fake tensors of one device (and dtype, for ``*-true`` precisions)."""
+
+    def __init__(self, mode: FakeTensorMode, device: torch.device, float_dtype: torch.dtype | None) -> None:
+        self.mode = mode
+        self.device = device
+        self.float_dtype = float_dtype
+        self._memo: dict[int, Tensor] = {}
+
+    def tensor(self, t: Tensor) -> Tensor:
+        """The fake counterpart of ``t`` (the same one for the same tensor object)."""
+        key = id(t)
+        fake = self._memo.get(key)
+        if fake is None:
+            fake = self._convert(t)
+            self._memo[key] = fake
+        return fake
+
+    def _convert(self, t: Tensor) -> Tensor:
+        if isinstance(t, FakeTensor) and t.fake_mode is self.mode and t.device == self.device:
+            fake: Tensor = t
+        elif not isinstance(t, FakeTensor) and t.device == self.device:
+            fake = self.mode.from_tensor(t)
+        else:
+            # Meta tensors, fake tensors of another mode or device, real tensors of another device:
+            # describe them on the meta device (free) and fake that on the target device.
+            meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+            fake = self.mode.fake_tensor_converter.from_meta_and_device(self.mode, meta, self.device)
+        if self.float_dtype is not None and fake.is_floating_point() and fake.dtype != self.float_dtype:
+            with self.mode:
+                fake = fake.to(self.float_dtype)
+        return fake
+
+    def parameter(self, p: nn.Parameter) -> nn.Parameter:
+        key = id(p)
+        fake = self._memo.get(key)
+        if fake is None:
+            fake = nn.Parameter(self._convert(p.detach()), requires_grad=p.requires_grad)
+            self._memo[key] = fake
+        return fake  # type: ignore[return-value]
+
+    def any(self, value: Any) -> Any:
+        """``value`` made fake if it is a tensor (a parameter stays a parameter), else as it is."""
+        if isinstance(value, nn.Parameter):
+            return self.parameter(value)
+        if isinstance(value, Tensor):
+            return self.tensor(value)
+        return value
+
+    def batch(self, batch: Any) -> Any:
+        """The batch with every tensor (in nested tuples, lists, dicts) made fake."""
+        return tree_map_only(Tensor, self.tensor, batch)
+
+
+@contextmanager
+def fake_module(module: nn.Module, converter: FakeConverter) -> Iterator[nn.Module]:
+    """Inside the block, ``module`` holds fake tensors; on exit it is exactly as it was."""
+    snapshots = [
+        _ModuleSnapshot(
+            m,
+            dict(vars(m)),
+            {name: _copy_container(vars(m)[name]) for name in _MODULE_CONTAINERS if name in vars(m)},
+        )
+        for m in module.modules()
+    ]
+    try:
+        for snap in snapshots:
+            m = snap.module
+            for name, p in list(m._parameters.items()):
+                if p is not None:
+                    m._parameters[name] = converter.parameter(p)
+            for name, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[name] = converter.tensor(b)
+            for name, value in snap.attributes.items():
+                # Plain tensor attributes (not registered as buffers) are read by forward too, and
+                # lists of parameters kept beside _parameters (nn.LSTM's _flat_weights) must follow.
+                if isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
+                    setattr_raw(m, name, converter.tensor(value))
+                elif isinstance(value, (list, tuple)) and any(isinstance(v, Tensor) for v in value):
+                    setattr_raw(m, name, type(value)(converter.any(v) for v in value))
+        yield module
+    finally:
+        for snap in snapshots:
+            state = vars(snap.module)
+            state.clear()
+            state.update(snap.attributes)
+            for name, saved in snap.containers.items():
+                container = state[name]
+                container.clear()
+                container.update(saved)
+
+
+def setattr_raw(module: nn.Module, name: str, value: Any) -> None:
+    """Set an instance attribute without nn.Module's ``__setattr__`` bookkeeping."""
+    object.__setattr__(module, name, value)
+
+
+def _copy_container(container: Any) -> Any:
+    return type(container)(container)
+
+
+def resident_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor, bool]]:
+    """``(path, tensor, is_parameter)`` for every tensor a module holds: parameters, buffers, and
+    plain tensor attributes."""
+    for path, m in module.named_modules():
+        prefix = f"{path}." if path else ""
+        for name, p in m._parameters.items():
+            if p is not None:
+                yield prefix + name, p, True
+        for name, b in m._buffers.items():
+            if b is not None:
+                yield prefix + name, b, False
+        for name, value in vars(m).items():
+            if isinstance(value, Tensor) and name not in m._parameters and name not in m._buffers:
+                yield prefix + name, value, False

@@ -1,0 +1,281 @@
+"""The dispatch mode that follows every storage's life during a fake step, and emits events.
+
+It sits above ``FakeTensorMode``: each aten op runs on fake tensors, then the tracker registers the
+storages of its outputs it has not seen (an allocation) and a weak reference to each, whose callback
+marks the free the moment the last tensor on that storage dies -- the same moment the real allocator
+would free it. Module scopes (forward and backward), the step's phases, what autograd saves for
+backward, which storages become gradients and optimizer state are recorded in the same stream.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from lightning_memest.engine import data_dependent
+from lightning_memest.engine.events import (
+    Alloc,
+    DataDependent,
+    Event,
+    Free,
+    ModuleEnter,
+    ModuleExit,
+    OpCall,
+    OpEvent,
+    Resize,
+    Role,
+    Tag,
+    TensorMeta,
+)
+from lightning_memest.engine.step import Phase
+from lightning_memest.errors import EstimationError
+
+#: Decides for which ops the full call (argument shapes) is recorded, for kernel models and FLOPs.
+CaptureFilter = Callable[[torch._ops.OpOverload], bool]
+
+_SKIP_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
+
+
+class Tracker(TorchDispatchMode):
+    """Records the event stream of everything dispatched inside it (see ``engine.events``)."""
+
+    def __init__(self, capture: CaptureFilter | None = None) -> None:
+        super().__init__()
+        self.events: list[Event] = []
+        self._capture = capture
+        self._captured: dict[torch._ops.OpOverload, bool] = {}
+        # StorageImpl address -> handle, for live storages only (addresses are reused after a free).
+        self._handles: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
+        self._next_handle = 0
+        self.op_index = -1
+        self.phase = Phase.SETUP
+        self.step = 0
+        self._forward_stack: list[str] = []
+        self._backward_stack: list[str] = []
+
+    # --- storages -------------------------------------------------------------------------------
+    def _register(self, storage: torch.UntypedStorage, resident: bool, events: list[Event]) -> int:
+        key = storage._cdata
+        handle = self._handles.get(key)
+        nbytes = storage.nbytes()
+        if handle is not None:
+            if self._sizes[key] != nbytes:
+                self._sizes[key] = nbytes
+                events.append(Resize(handle, nbytes))
+            return handle
+        handle = self._next_handle
+        self._next_handle += 1
+        self._handles[key] = handle
+        self._sizes[key] = nbytes
+        self._refs[key] = weakref.ref(storage, self._free_callback(key, handle))
+        events.append(Alloc(handle, nbytes, resident))
+        return handle
+
+    def _free_callback(self, key: int, handle: int) -> Callable[[object], None]:
+        def on_free(_: object) -> None:
+            if self._handles.get(key) == handle:
+                del self._handles[key], self._sizes[key], self._refs[key]
+                self.events.append(Free(handle))
+
+        return on_free
+
+    def handle_of(self, t: Tensor) -> int | None:
+        """The handle of ``t``'s storage, if it is tracked."""
+        return self._handles.get(t.untyped_storage()._cdata)
+
+    def add_resident(self, t: Tensor, role: Role, path: str) -> None:
+        """A storage that exists before the step (parameter, buffer, batch tensor)."""
+        handle = self._register(t.untyped_storage(), True, self.events)
+        self.events.append(Tag(handle, role, path))
+
+    def tag(self, tensors: list[Tensor], role: Role) -> None:
+        module = self.module
+        for t in tensors:
+            handle = self.handle_of(t)
+            if handle is not None:
+                self.events.append(Tag(handle, role, module))
+
+    # --- scopes and phases -------------------------------------------------------------------------
+    @property
+    def module(self) -> str:
+        """The innermost module running now."""
+        stack = self._backward_stack if self.phase is Phase.BACKWARD else self._forward_stack
+        return stack[-1] if stack else ""
+
+    def on_phase(self, phase: Phase, step: int) -> None:
+        self.phase = phase
+        self.step = step
+        if phase is Phase.BACKWARD:
+            self._backward_stack.clear()
+
+    def on_gradients(self, grads: list[Tensor]) -> None:
+        self.tag(grads, Role.GRADIENT)
+
+    def on_optimizer_state(self, state: list[Tensor]) -> None:
+        self.tag(state, Role.OPTIMIZER_STATE)
+
+    def enter_module(self, path: str, backward: bool) -> None:
+        if backward:
+            # Hooks on one tensor fire in registration order, so an ancestor sharing its output with a
+            # child (a Sequential and its last layer) enters after the child: keep it below.
+            stack = self._backward_stack
+            at = len(stack)
+            while at and _is_below(stack[at - 1], path):
+                at -= 1
+            stack.insert(at, path)
+        else:
+            self._forward_stack.append(path)
+        self.events.append(ModuleEnter(path, Phase.BACKWARD if backward else Phase.FORWARD))
+
+    def exit_module(self, path: str, backward: bool) -> None:
+        stack = self._backward_stack if backward else self._forward_stack
+        # Backward exits can come out of order (a module whose inputs need no grad never exits).
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i] == path:
+                del stack[i]
+                break
+        self.events.append(ModuleExit(path, Phase.BACKWARD if backward else Phase.FORWARD))
+
+    # --- the dispatch mode -----------------------------------------------------------------------
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _SKIP_OPS or func.namespace == "profiler":
+            return func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException) as exc:
+            ans = data_dependent.answer(func, args, kwargs)
+            if ans is None:
+                raise EstimationError(
+                    f"{func} needs the values of a tensor, which a fake run does not have ({exc})",
+                    op=str(func),
+                    module=self.module,
+                ) from exc
+            self.events.append(DataDependent(str(func), self.module, ans.assumed))
+            out = ans.value
+        except EstimationError:
+            raise
+        except Exception as exc:
+            raise EstimationError(
+                f"{func} failed on fake tensors: {type(exc).__name__}: {exc}",
+                op=str(func),
+                module=self.module,
+            ) from exc
+        self.op_index += 1
+        leaves = (
+            [t for t in tree_leaves(out) if isinstance(t, Tensor)] if not isinstance(out, Tensor) else [out]
+        )
+        capture = self._captured.get(func)
+        if capture is None:
+            capture = self._capture is not None and self._capture(func)
+            self._captured[func] = capture
+        call = (
+            OpCall(
+                func,
+                tree_map_only(Tensor, TensorMeta.of, args),
+                tree_map_only(Tensor, TensorMeta.of, kwargs),
+                tuple(TensorMeta.of(t) if isinstance(t, Tensor) else None for t in tree_leaves(out)),
+                _device_type(args, leaves),
+            )
+            if capture
+            else None
+        )
+        # The op's event comes before its outputs' allocations, which it may need to name.
+        allocs: list[Event] = []
+        handles = tuple(self._register(t.untyped_storage(), False, allocs) for t in leaves)
+        self.events.append(
+            OpEvent(
+                self.op_index,
+                self.step,
+                self.phase,
+                self.module,
+                str(func),
+                call,
+                handles if capture else None,
+            )
+        )
+        self.events.extend(allocs)
+        return out
+
+
+def _is_below(path: str, ancestor: str) -> bool:
+    """Whether module ``path`` is a strict descendant of module ``ancestor``."""
+    return path != ancestor and (not ancestor or path.startswith(ancestor + "."))
+
+
+def _device_type(args: tuple[Any, ...], outputs: list[Tensor]) -> str:
+    for t in outputs:
+        return t.device.type
+    for a in tree_leaves(args):
+        if isinstance(a, Tensor):
+            return a.device.type
+    return "cpu"
+
+
+@contextmanager
+def module_scopes(model: nn.Module, tracker: Tracker) -> Iterator[None]:
+    """Tell the tracker which module runs, in forward (module hooks) and in backward (grad hooks on
+    the module's outputs mark its start, on its inputs its end -- the way ``ModTracker`` does)."""
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+    register = torch.autograd.graph.register_multi_grad_hook
+
+    def grad_tensors(values: Any) -> list[Tensor]:
+        return [t for t in tree_leaves(values) if isinstance(t, Tensor) and t.requires_grad]
+
+    for path, module in model.named_modules():
+
+        def pre_hook(_: nn.Module, args: Any, kwargs: Any, path: str = path) -> None:
+            tracker.enter_module(path, backward=False)
+            inputs = grad_tensors((args, kwargs))
+            if inputs and torch.is_grad_enabled():
+                register(inputs, lambda _: tracker.exit_module(path, backward=True), mode="all")
+
+        def post_hook(_: nn.Module, args: Any, kwargs: Any, output: Any, path: str = path) -> None:
+            tracker.exit_module(path, backward=False)
+            outputs = grad_tensors(output)
+            if outputs and torch.is_grad_enabled():
+                register(outputs, lambda _: tracker.enter_module(path, backward=True), mode="any")
+
+        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def saved_tensor_tags(tracker: Tracker) -> Iterator[None]:
+    """Tag every tensor autograd saves for backward as an activation of the module saving it.
+
+    The pack hook returns the tensor itself, so what is held and when it is freed do not change.
+    """
+
+    def pack(t: Tensor) -> Tensor:
+        handle = tracker.handle_of(t)
+        if handle is not None:
+            tracker.events.append(Tag(handle, Role.ACTIVATION, tracker.module))
+        return t
+
+    def unpack(t: Tensor) -> Tensor:
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield

@@ -1,0 +1,270 @@
+"""``estimate_step``: a training step simulated on fake tensors, turned into a ``StepEstimate``."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._pytree import tree_leaves
+
+from lightning_memest.accounting import kernels
+from lightning_memest.accounting.allocator import ROLE_ORDER, Replay, replay
+from lightning_memest.engine.events import Alloc, DataDependent, Event, OpEvent, Role, Tag
+from lightning_memest.engine.fake import FakeConverter, fake_module, resident_tensors
+from lightning_memest.engine.step import (
+    LossFn,
+    OptimizerFactory,
+    Phase,
+    StepConfig,
+    StepRunner,
+    check_precision,
+    sum_loss,
+    true_dtype,
+)
+from lightning_memest.engine.tracker import Tracker, module_scopes, saved_tensor_tags
+from lightning_memest.errors import EstimationError
+from lightning_memest.report import (
+    Breakdown,
+    DataDependentRead,
+    ModuleStats,
+    Peak,
+    StepEstimate,
+    TimelinePoint,
+)
+
+
+def estimate_step(
+    model: nn.Module,
+    batch: Any,
+    *,
+    loss_fn: LossFn = sum_loss,
+    optimizer: OptimizerFactory | None = None,
+    precision: str = "32-true",
+    device: str | torch.device | None = None,
+    steps: int = 2,
+) -> StepEstimate:
+    """Estimate the peak memory of training steps of ``model`` on ``batch``, without running them.
+
+    The real step code runs ``steps`` times (forward and ``loss_fn``, backward, ``optimizer.step()``,
+    ``zero_grad(set_to_none=True)``) on fake tensors of ``device``; every storage's life is followed.
+    Nothing real is allocated for the model or the batch, and ``model`` is left exactly as it was.
+
+    Args:
+        model: real, meta-device or fake weights.
+        batch: a tensor or nested tuples/lists/dicts of tensors (real or meta); ``loss_fn`` gets it.
+        loss_fn: ``loss_fn(model, batch) -> loss``; the default sums the model's output.
+        optimizer: an optimizer class or factory called with the trainable parameters
+            (``torch.optim.AdamW`` or ``lambda ps: torch.optim.SGD(ps, lr=0.1)``); ``None``: no step.
+        precision: Lightning's precision names: ``32-true``, ``16-mixed``, ``bf16-mixed``,
+            ``16-true``, ``bf16-true``.
+        device: where the step would run; defaults to the model's device (``cpu`` for meta models).
+        steps: steps to simulate (2: the first step and the steady state).
+
+    Example:
+        >>> import torch
+        >>> from lightning_memest import estimate_step
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+        >>> est = estimate_step(model, torch.randn(32, 1024), optimizer=torch.optim.Adam)
+        >>> est.steady_state.breakdown.parameters  # (1024 * 1024 + 1024 + 1024 * 10 + 10) * 4 bytes
+        4239400
+        >>> est.steady_state.breakdown.optimizer_state  # exp_avg, exp_avg_sq, and four step counters
+        8478816
+    """
+    checked = check_precision(precision)
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1; got {steps}")
+    target = _target_device(model, device)
+    start = time.perf_counter()
+    mode = _fake_mode_of(model, batch) or FakeTensorMode(allow_non_fake_inputs=True)
+    converter = FakeConverter(mode, target, true_dtype(checked))
+    tracker = Tracker(capture=_has_kernel_model)
+    with ExitStack() as stack:
+        stack.enter_context(_preserved_rng(target))
+        stack.enter_context(fake_module(model, converter))
+        fake_batch = converter.batch(batch)
+        _add_residents(tracker, model, fake_batch)
+        model.train()
+        stack.enter_context(mode)
+        stack.enter_context(tracker)
+        stack.enter_context(module_scopes(model, tracker))
+        stack.enter_context(saved_tensor_tags(tracker))
+        try:
+            runner = StepRunner(model, StepConfig(loss_fn, optimizer, checked), listener=tracker)
+            for _ in range(steps):
+                runner.run(fake_batch)
+        except EstimationError:
+            raise
+        except Exception as exc:
+            raise EstimationError(
+                f"the step failed on fake tensors: {type(exc).__name__}: {exc}",
+                op=_last_op(tracker.events),
+                module=tracker.module or None,
+            ) from exc
+        del runner
+    seconds = time.perf_counter() - start
+    result = replay(tracker.events, steps, kernels.kernel_memory)
+    return StepEstimate(
+        device=str(target),
+        precision=checked,
+        peaks=_peaks(result),
+        modules=_module_tree(model, tracker.events, result),
+        timeline=tuple(
+            TimelinePoint(
+                s.event.index, s.event.step + 1, s.event.phase, s.event.module, s.event.op, s.live_bytes
+            )
+            for s in result.samples
+        ),
+        data_dependent=_data_dependent_reads(tracker.events),
+        reserved_bytes=None,
+        estimate_seconds=seconds,
+    )
+
+
+def _target_device(model: nn.Module, device: str | torch.device | None) -> torch.device:
+    if device is None:
+        first = next((t for _, t, _ in resident_tensors(model)), None)
+        device = "cpu" if first is None or first.device.type == "meta" else first.device
+    target = torch.device(device)
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EstimationError(
+                "device cuda needs a GPU on this machine for now (a CPU-only what-if for CUDA is planned)"
+            )
+        if target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+    elif target.type != "cpu":
+        raise EstimationError(f"device must be cpu or cuda; got {target}")
+    return target
+
+
+def _fake_mode_of(model: nn.Module, batch: Any) -> FakeTensorMode | None:
+    """The fake mode the user's tensors already belong to, if they are fake."""
+    for t in [t for _, t, _ in resident_tensors(model)] + [
+        t for t in tree_leaves(batch) if isinstance(t, Tensor)
+    ]:
+        if isinstance(t, FakeTensor):
+            return t.fake_mode
+    return None
+
+
+@contextmanager
+def _preserved_rng(device: torch.device) -> Iterator[None]:
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, enabled=True):
+        yield
+
+
+def _add_residents(tracker: Tracker, model: nn.Module, batch: Any) -> None:
+    for path, t, is_param in resident_tensors(model):
+        tracker.add_resident(t, Role.PARAMETER if is_param else Role.BUFFER, path)
+    for t in tree_leaves(batch):
+        if isinstance(t, Tensor):
+            tracker.add_resident(t, Role.INPUT, "")
+
+
+def _has_kernel_model(op: torch._ops.OpOverload) -> bool:
+    return kernels.kernel_model_for(op) is not None
+
+
+def _last_op(events: Sequence[Event]) -> str | None:
+    for e in reversed(events):
+        if isinstance(e, OpEvent):
+            return e.op
+    return None
+
+
+def _peaks(result: Replay) -> tuple[Peak, ...]:
+    peaks = []
+    for p in result.peaks:
+        values = dict(zip([r.value for r in ROLE_ORDER] + ["temporaries"], p.by_role, strict=True))
+        peaks.append(
+            Peak(
+                step=p.step + 1,
+                bytes=p.live_bytes,
+                breakdown=Breakdown(**values),
+                op_index=p.event.index,
+                op=p.event.op,
+                phase=p.event.phase,
+                module=p.event.module,
+            )
+        )
+    return tuple(peaks)
+
+
+def _data_dependent_reads(events: Sequence[Event]) -> tuple[DataDependentRead, ...] | None:
+    counts = Counter((e.op, e.module, e.assumed) for e in events if isinstance(e, DataDependent))
+    if not counts:
+        return None
+    return tuple(DataDependentRead(op, module, assumed, n) for (op, module, assumed), n in counts.items())
+
+
+def _within(path: str, prefix: str) -> bool:
+    return not prefix or path == prefix or path.startswith(prefix + ".")
+
+
+def _module_tree(model: nn.Module, events: Sequence[Event], result: Replay) -> ModuleStats:
+    """Per-module figures of the first step; each module's figures include its children's."""
+    saved: Counter[str] = Counter()
+    sizes: dict[int, int] = {}
+    seen: set[int] = set()
+    parameters: dict[str, int] = {}  # parameter path -> storage handle
+    for e in events:
+        if type(e) is OpEvent and e.step > 0:
+            break  # the first step's figures
+        if type(e) is Alloc:
+            sizes[e.storage] = e.nbytes
+        elif type(e) is Tag:
+            if e.role is Role.PARAMETER:
+                parameters.setdefault(e.module, e.storage)
+            elif (
+                e.role is Role.ACTIVATION
+                and e.storage not in seen
+                and result.roles.get(e.storage) is Role.ACTIVATION
+            ):
+                seen.add(e.storage)
+                saved[e.module] += sizes.get(e.storage, 0)
+    forward_high: dict[str, int] = {}
+    backward_high: dict[str, int] = {}
+    for s in result.samples:
+        if s.event.step != 0:
+            continue
+        table = (
+            forward_high
+            if s.event.phase is Phase.FORWARD
+            else backward_high
+            if s.event.phase is Phase.BACKWARD
+            else None
+        )
+        if table is None:
+            continue
+        path = s.event.module
+        # The op counts for its module and every ancestor.
+        while True:
+            if s.live_bytes > table.get(path, -1):
+                table[path] = s.live_bytes
+            if not path:
+                break
+            path = path.rpartition(".")[0]
+
+    def build(path: str, module: nn.Module) -> ModuleStats:
+        children = tuple(
+            build(f"{path}.{name}" if path else name, child) for name, child in module.named_children()
+        )
+        return ModuleStats(
+            path=path,
+            type_name=type(module).__name__,
+            parameter_bytes=sum(sizes[h] for h in {h for p, h in parameters.items() if _within(p, path)}),
+            saved_bytes=sum(n for p, n in saved.items() if _within(p, path)),
+            forward_peak_bytes=forward_high.get(path),
+            backward_peak_bytes=backward_high.get(path),
+            children=children or None,
+        )
+
+    return build("", model)

@@ -1,0 +1,168 @@
+"""What an estimate reports: frozen, typed dataclasses, and their plain-data (JSON) form.
+
+Every figure here is derived from one event stream of one simulated run (see
+``lightning_memest.accounting``), so peaks, breakdowns, per-module figures and the timeline agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lightning_memest.engine.step import Phase
+
+_BREAKDOWN_DOC = {
+    "parameters": "parameter storages",
+    "buffers": "buffer storages (and other tensors a module holds)",
+    "gradients": "storages that are, or become, a parameter's ``.grad``",
+    "optimizer_state": "storages the optimizer keeps in its ``state``",
+    "activations": "storages autograd saved for backward (that are none of the above)",
+    "inputs": "the batch's storages",
+    "temporaries": "everything else: intermediate results, workspaces",
+}
+
+
+@dataclass(frozen=True)
+class Breakdown:
+    """Live bytes by what they hold, at one moment (a peak)."""
+
+    parameters: int
+    buffers: int
+    gradients: int
+    optimizer_state: int
+    activations: int
+    inputs: int
+    temporaries: int
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def items(self) -> Iterator[tuple[str, int]]:
+        for f in fields(self):
+            yield f.name, getattr(self, f.name)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The most bytes live at once during one training step, and where that happened."""
+
+    step: int
+    """1 for the first step, 2 for the steady state (the second step)."""
+    bytes: int
+    """Live bytes at the peak, counting what was resident before the step."""
+    breakdown: Breakdown
+    op_index: int
+    """Index into the timeline of the op during which the peak happened."""
+    op: str
+    phase: Phase
+    module: str
+    """Dotted path of the innermost module running then (``""`` for the root or outside any module)."""
+
+
+@dataclass(frozen=True)
+class ModuleStats:
+    """One node of the per-module tree (figures of the first step; a module includes its children)."""
+
+    path: str
+    type_name: str
+    parameter_bytes: int
+    saved_bytes: int
+    """Bytes of activations saved for backward while this module ran forward (parameters not counted)."""
+    forward_peak_bytes: int | None
+    """Most bytes live during its forward; ``None`` if it never ran."""
+    backward_peak_bytes: int | None
+    """Most bytes live during its backward; ``None`` if it had no backward."""
+    children: tuple[ModuleStats, ...] | None
+
+    def walk(self) -> Iterator[ModuleStats]:
+        """This node and all below it, depth first."""
+        yield self
+        for child in self.children or ():
+            yield from child.walk()
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    """Live bytes right after one op allocated its outputs (its high point)."""
+
+    op_index: int
+    step: int
+    phase: Phase
+    module: str
+    op: str
+    live_bytes: int
+
+
+@dataclass(frozen=True)
+class DataDependentRead:
+    """A place where the step read a value of a tensor, which fake tensors do not have."""
+
+    op: str
+    module: str
+    assumed: str
+    """What the simulation used instead of the real value (see ``engine.data_dependent``)."""
+    count: int
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """The estimate of a training step's memory, for each simulated step.
+
+    Example:
+        >>> import torch
+        >>> from lightning_memest import estimate_step
+        >>> est = estimate_step(torch.nn.Linear(512, 512), torch.randn(64, 512), optimizer=torch.optim.Adam)
+        >>> est.steady_state.bytes > est.first_step.bytes - 1
+        True
+    """
+
+    device: str
+    precision: str
+    peaks: tuple[Peak, ...]
+    modules: ModuleStats
+    timeline: tuple[TimelinePoint, ...]
+    data_dependent: tuple[DataDependentRead, ...] | None
+    """Where values of fake tensors were read and what was assumed; ``None`` if nowhere."""
+    reserved_bytes: tuple[int, ...] | None
+    """Allocator-reserved peaks per step (CUDA); ``None`` where not modelled."""
+    estimate_seconds: float
+    """Seconds the simulation took (conversion to fake tensors and the steps)."""
+
+    @property
+    def first_step(self) -> Peak:
+        return self.peaks[0]
+
+    @property
+    def steady_state(self) -> Peak:
+        return self.peaks[-1]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest peak over the simulated steps."""
+        return max(p.bytes for p in self.peaks)
+
+    def to_json(self) -> dict[str, Any]:
+        """The plain-data form that ``memest estimate --json`` prints."""
+        return {
+            "peak_bytes": {"first_step": self.first_step.bytes, "steady_state": self.steady_state.bytes},
+            "reserved_bytes": (
+                None
+                if self.reserved_bytes is None
+                else {"first_step": self.reserved_bytes[0], "steady_state": self.reserved_bytes[-1]}
+            ),
+            "breakdown_bytes": dict(self.steady_state.breakdown.items()),
+            "flops": None,
+            "estimate_seconds": round(self.estimate_seconds, 4),
+        }
+
+
+def format_bytes(n: int | float) -> str:
+    """``1536`` -> ``'1.50 KiB'``; binary units, as memory is sized."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,281 @@
+"""The engine's guarantees: the user's model is left exactly as it was, any input form is accepted,
+data-dependent reads follow the documented policy, and failures name the op and module."""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.demos.transformer import Transformer
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from lightning_memest import EstimationError, estimate_step
+from lightning_memest.engine.step import first_output
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+class CachingEncoding(nn.Module):
+    """Caches a tensor on itself during the first forward, like Lightning's demo PositionalEncoding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pe: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.pe is None or self.pe.shape != x.shape[1:]:
+            self.pe = torch.arange(x[0].numel(), dtype=x.dtype, device=x.device).reshape(x.shape[1:]) / 100
+        return x + self.pe
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = CachingEncoding()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.5))
+        self.head = nn.Linear(32, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.frozen = nn.Linear(16, 16)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.body(self.enc(self.frozen(x)))) * self.scale
+
+
+def snapshot(model: nn.Module) -> dict[str, Any]:
+    return {
+        "state": {k: v.clone() for k, v in model.state_dict().items()},
+        "tensors": {
+            id(m): {k: v for k, v in vars(m).items() if isinstance(v, Tensor)} for m in model.modules()
+        },
+        "attrs": {id(m): set(vars(m)) for m in model.modules()},
+        "params": {n: (p, p.requires_grad, p.grad) for n, p in model.named_parameters()},
+        "buffers": {n: b for n, b in model.named_buffers()},
+        "training": {id(m): m.training for m in model.modules()},
+    }
+
+
+def test_model_is_left_exactly_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = Net()
+    model(torch.randn(3, 16)).sum().backward()  # real grads and a cached real `pe` exist
+    model.body[0].eval()  # mixed training flags must survive
+    batch = torch.randn(8, 16)
+    before = snapshot(model)
+    rng = torch.get_rng_state()
+
+    estimate_step(model, batch, optimizer=torch.optim.Adam)  # Dropout draws random numbers
+
+    after = snapshot(model)
+    assert torch.equal(rng, torch.get_rng_state())
+    assert after["attrs"] == before["attrs"]
+    assert after["training"] == before["training"]
+    for name, (p, requires_grad, grad) in before["params"].items():
+        q, q_requires_grad, q_grad = after["params"][name]
+        assert q is p and q_requires_grad == requires_grad and q_grad is grad
+    assert all(after["buffers"][n] is b for n, b in before["buffers"].items())
+    for key, tensors in before["tensors"].items():
+        assert after["tensors"][key].keys() == tensors.keys()
+        assert all(after["tensors"][key][k] is v for k, v in tensors.items())
+    for k, v in before["state"].items():
+        assert torch.equal(after["state"][k], v), k
+    # and it still trains for real
+    model(torch.randn(8, 16)).sum().backward()
+
+
+def test_lazily_cached_tensor_does_not_leak_into_real_training() -> None:
+    model = Transformer(vocab_size=50, ninp=16, nhead=2, nhid=32, nlayers=1)
+    tokens = torch.randint(0, 50, (2, 8))
+    assert getattr(model.pos_encoder, "pe", None) is None or not hasattr(model.pos_encoder.pe, "fake_mode")
+    estimate_step(model, (tokens, tokens), loss_fn=lambda m, b: m(*b).sum(), optimizer=sgd)
+    out = model(tokens, tokens)  # would fail if a fake `pe` had been left behind
+    assert type(out) is Tensor and torch.isfinite(out).all()
+
+
+def test_meta_real_and_fake_models_give_the_same_estimate() -> None:
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10))
+
+    torch.manual_seed(0)
+    real = build()
+    with torch.device("meta"):
+        meta = build()
+    batch = torch.randn(16, 64)
+    a = estimate_step(real, batch, optimizer=torch.optim.AdamW)
+    b = estimate_step(meta, batch.to("meta"), optimizer=torch.optim.AdamW)
+    mode = FakeTensorMode()
+    fake = copy.deepcopy(real)
+    for m in fake.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[name] = nn.Parameter(mode.from_tensor(p.detach()))
+    c = estimate_step(fake, mode.from_tensor(batch), optimizer=torch.optim.AdamW)
+    assert [p.bytes for p in a.peaks] == [p.bytes for p in b.peaks] == [p.bytes for p in c.peaks]
+    assert a.device == b.device == c.device == "cpu"
+
+
+def test_nested_batches() -> None:
+    class DictModel(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(8, 4)
+            self.b = nn.Linear(6, 4)
+
+        def forward(self, x: Tensor, extra: dict[str, Any]) -> Tensor:
+            return self.a(x) + self.b(extra["y"][0]) * extra["scale"]
+
+    batch = {"x": torch.randn(5, 8), "extra": {"y": [torch.randn(5, 6)], "scale": 2.0}}
+    est = estimate_step(DictModel(), batch, optimizer=sgd)
+    assert est.first_step.breakdown.inputs == (5 * 8 + 5 * 6) * 4
+
+
+def test_breakdown_of_a_hand_computed_step() -> None:
+    # Linear 256 -> 512 with bias, batch 64, SGD with momentum, sum loss.
+    model = nn.Linear(256, 512)
+    est = estimate_step(model, torch.randn(64, 256), optimizer=sgd)
+    params = (256 * 512 + 512) * 4
+    step2 = est.steady_state.breakdown
+    assert step2.parameters == params
+    assert step2.inputs == 64 * 256 * 4
+    assert step2.optimizer_state == params  # one momentum buffer per parameter
+    assert est.steady_state.bytes == est.steady_state.breakdown.total
+    # the module tree knows the parameters
+    assert est.modules.parameter_bytes == params
+    assert est.modules.children is None
+
+
+def test_true_precision_converts_the_fake_copy_only() -> None:
+    model = nn.Linear(128, 128)
+    est = estimate_step(model, torch.randn(4, 128), optimizer=sgd, precision="bf16-true")
+    assert est.first_step.breakdown.parameters == (128 * 128 + 128) * 2
+    assert est.first_step.breakdown.inputs == 4 * 128 * 2
+    assert model.weight.dtype == torch.float32
+    with pytest.raises(ValueError, match="precision must be one of"):
+        estimate_step(model, torch.randn(4, 128), precision="bf16")
+
+
+def test_item_bool_and_transformer_mask_check_follow_the_policy() -> None:
+    model = Transformer(vocab_size=50, ninp=16, nhead=2, nhid=32, nlayers=1)
+    tokens = torch.randint(0, 50, (2, 8))
+    logged: list[float] = []
+
+    def loss_fn(m: nn.Module, batch: Any) -> Tensor:
+        out = m(*batch)
+        loss = F.nll_loss(out, batch[1].reshape(-1))
+        logged.append(loss.item())  # logging reads a value
+        if torch.isnan(loss):  # a guard reads one too
+            raise AssertionError("the neutral answer is False")
+        return loss
+
+    est = estimate_step(model, (tokens, tokens), loss_fn=loss_fn, optimizer=sgd)
+    assert logged == [0.0, 0.0]
+    reads = est.data_dependent
+    assert reads is not None
+    assumed = {(r.op, r.assumed) for r in reads}
+    assert ("aten._local_scalar_dense.default", "0.0") in assumed
+    assert ("aten._local_scalar_dense.default", "False") in assumed
+    # nn.Transformer's causal-mask detection is located in the decoder
+    assert any(r.module.startswith("transformer") for r in reads)
+
+
+def test_data_dependent_shapes_assume_every_element_selected() -> None:
+    class Masky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(8, 8)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = self.inner(x)
+            return h[h > 0].sum() + torch.nonzero(h > 0.5).sum() + torch.masked_select(h, h < 0).sum()
+
+    est = estimate_step(Masky(), torch.randn(4, 8), optimizer=sgd)
+    assert est.data_dependent is not None
+    ops = {r.op: r for r in est.data_dependent}
+    assert ops["aten.index.Tensor"].assumed == "every element of the mask set (32)"
+    assert ops["aten.nonzero.default"].assumed == "every element nonzero (32 of 32)"
+    assert ops["aten.masked_select.default"].count == 2  # once per simulated step
+
+
+def test_unsimulatable_op_raises_estimation_error_naming_op_and_module() -> None:
+    class Uniq(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.unique(x).sum() * x.sum()
+
+    model = nn.Sequential(nn.Linear(4, 4), Uniq())
+    with pytest.raises(EstimationError) as info:
+        estimate_step(model, torch.randn(3, 4))
+    assert info.value.module == "1"
+    assert info.value.op is not None and "unique" in info.value.op
+    assert "unique" in str(info.value) and "'1'" in str(info.value)
+    # the model is restored even after a failure
+    assert type(model[0].weight) is nn.Parameter and not hasattr(model[0].weight, "fake_mode")
+
+
+def test_errors_in_user_code_are_estimation_errors() -> None:
+    def bad_loss(m: nn.Module, batch: Tensor) -> Tensor:
+        raise KeyError("labels")
+
+    with pytest.raises(EstimationError, match="KeyError"):
+        estimate_step(nn.Linear(2, 2), torch.randn(1, 2), loss_fn=bad_loss)
+
+
+def test_no_real_allocation_grows_with_model_or_batch() -> None:
+    # Ground truth from the profiler's allocator events, not from the estimator's bookkeeping.
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])  # 32 MiB of weights
+    batch = torch.randn(256, 1024)
+    estimate_step(model, batch, optimizer=torch.optim.Adam)  # warm caches up
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        estimate_step(model, batch, optimizer=torch.optim.Adam)
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    allocated = sum(e.nbytes() for e in events if e.nbytes() > 0)
+    assert allocated < 1 << 20, allocated  # the real step would allocate hundreds of MiB
+
+
+def test_module_tree_and_timeline() -> None:
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    est = estimate_step(model, torch.randn(16, 32), optimizer=torch.optim.Adam)
+    tree = {m.path: m for m in est.modules.walk()}
+    assert set(tree) == {"", "0", "1", "2"}
+    assert tree["0"].parameter_bytes == (32 * 64 + 64) * 4
+    assert tree["1"].saved_bytes == 16 * 64 * 4  # ReLU saves its output
+    assert tree[""].saved_bytes == sum(tree[p].saved_bytes for p in ("0", "1", "2"))
+    assert all(tree[p].backward_peak_bytes is not None for p in ("0", "1", "2"))
+    phases = {t.phase.value for t in est.timeline}
+    assert {"forward", "backward", "optimizer"} <= phases
+    assert max(t.live_bytes for t in est.timeline if t.step == 1) == est.first_step.bytes
+    assert [t.op_index for t in est.timeline] == sorted(t.op_index for t in est.timeline)
+
+
+def test_first_output_rules() -> None:
+    t = torch.ones(1)
+    assert first_output((t, 1)) is t
+    assert first_output({"loss": 1.0, "logits": t}) is t
+    assert first_output({"a": 1, "b": t}) is t
+
+    class Out:
+        logits = t
+
+    assert first_output(Out()) is t
+    with pytest.raises(TypeError):
+        first_output(3)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_mixed_precision_runs_under_autocast(precision: str) -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    full = estimate_step(model, torch.randn(32, 64), optimizer=sgd)
+    mixed = estimate_step(model, torch.randn(32, 64), optimizer=sgd, precision=precision)
+    relu = {m.path: m for m in mixed.modules.walk()}["1"]
+    # under autocast the first Linear's output, which ReLU saves, is half precision
+    assert relu.saved_bytes == 32 * 64 * 2
+    assert {m.path: m for m in full.modules.walk()}["1"].saved_bytes == 32 * 64 * 4
+    assert math.isclose(mixed.first_step.breakdown.parameters, full.first_step.breakdown.parameters)
