@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_memest.accounting import kernels
@@ -27,7 +26,7 @@ from lightning_memest.engine.step import (
     sum_loss,
     true_dtype,
 )
-from lightning_memest.engine.tracker import Tracker, module_scopes, saved_tensor_tags
+from lightning_memest.engine.tracker import Tracker, TrackingFakeTensorMode, module_scopes, saved_tensor_tags
 from lightning_memest.errors import EstimationError
 from lightning_memest.report import (
     Breakdown,
@@ -82,9 +81,9 @@ def estimate_step(
         raise ValueError(f"steps must be at least 1; got {steps}")
     target = _target_device(model, device)
     start = time.perf_counter()
-    mode = _fake_mode_of(model, batch) or FakeTensorMode(allow_non_fake_inputs=True)
-    converter = FakeConverter(mode, target, true_dtype(checked))
     tracker = Tracker(capture=_has_kernel_model)
+    mode = TrackingFakeTensorMode(tracker)
+    converter = FakeConverter(mode, target, true_dtype(checked))
     with ExitStack() as stack:
         stack.enter_context(_preserved_rng(target))
         stack.enter_context(fake_module(model, converter))
@@ -92,7 +91,6 @@ def estimate_step(
         _add_residents(tracker, model, fake_batch)
         model.train()
         stack.enter_context(mode)
-        stack.enter_context(tracker)
         stack.enter_context(module_scopes(model, tracker))
         stack.enter_context(saved_tensor_tags(tracker))
         try:
@@ -142,16 +140,6 @@ def _target_device(model: nn.Module, device: str | torch.device | None) -> torch
     elif target.type != "cpu":
         raise EstimationError(f"device must be cpu or cuda; got {target}")
     return target
-
-
-def _fake_mode_of(model: nn.Module, batch: Any) -> FakeTensorMode | None:
-    """The fake mode the user's tensors already belong to, if they are fake."""
-    for t in [t for _, t, _ in resident_tensors(model)] + [
-        t for t in tree_leaves(batch) if isinstance(t, Tensor)
-    ]:
-        if isinstance(t, FakeTensor):
-            return t.fake_mode
-    return None
 
 
 @contextmanager

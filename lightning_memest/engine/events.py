@@ -10,6 +10,7 @@ addresses).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +32,13 @@ class Role(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class TensorMeta:
-    """What a kernel model needs to know of a tensor argument (never its data)."""
+    """What a kernel model or FLOP formula may know of a tensor: geometry, dtype, device, storage size."""
 
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
     device_type: str
-    nbytes: int
-    """Bytes of the tensor's storage as the fake run has it."""
+    nbytes: int  # of the tensor's storage, as the fake run has it
 
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:
@@ -48,23 +48,56 @@ class TensorMeta:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the elements themselves (what a contiguous copy allocates)."""
+        return self.numel * self.itemsize
+
+    def is_contiguous(self) -> bool:
+        expected = 1
+        for size, stride in zip(reversed(self.shape), reversed(self.stride), strict=True):
+            if size != 1 and stride != expected:
+                return False
+            expected *= size
+        return True
+
+    def is_channels_last(self) -> bool:
+        """Strides of a channels-last 4-d tensor that is not also plain contiguous (as PyTorch decides)."""
+        if len(self.shape) != 4 or self.is_contiguous():
+            return False
+        _, c, h, w = self.shape
+        s = self.stride
+        return s[1] == 1 and (w == 1 or s[3] == c) and (h == 1 or s[2] == c * w)
 
 
 @dataclass(frozen=True, slots=True)
 class OpCall:
-    """One call of an aten op as kernel models and FLOP formulas see it."""
+    """One op call as the fake run saw it, for kernel models and FLOP formulas; tensors are replaced by
+    :class:`TensorMeta` (in lists too)."""
 
     op: torch._ops.OpOverload
     args: tuple[Any, ...]
-    """Arguments, with every tensor (also inside lists) replaced by its ``TensorMeta``."""
     kwargs: dict[str, Any]
-    outputs: tuple[TensorMeta | None, ...]
-    """Flattened outputs (``torch.utils._pytree`` leaf order); ``None`` where a leaf is no tensor."""
-    device_type: str
+    outputs: tuple[TensorMeta | None, ...]  # flattened outputs, None for non-tensors
+    device_type: str  # "cpu" / "cuda"
+
+    def arg(self, name: str, default: Any = None) -> Any:
+        """The argument called ``name`` in the op's schema: positional, keyword, or its default."""
+        for index, argument in enumerate(self.op._schema.arguments):
+            if argument.name != name:
+                continue
+            if index < len(self.args) and not argument.kwarg_only:
+                return self.args[index]
+            if name in self.kwargs:
+                return self.kwargs[name]
+            return argument.default_value if argument.has_default_value() else default
+        return default
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,9 @@
-"""The dispatch mode that follows every storage's life during a fake step, and emits events.
+"""The fake mode that follows every storage's life during a step, and emits events.
 
-It sits above ``FakeTensorMode``: each aten op runs on fake tensors, then the tracker registers the
-storages of its outputs it has not seen (an allocation) and a weak reference to each, whose callback
-marks the free the moment the last tensor on that storage dies -- the same moment the real allocator
-would free it. Module scopes (forward and backward), the step's phases, what autograd saves for
+``TrackingFakeTensorMode`` runs each aten op on fake tensors, then its ``Tracker`` registers the
+storages of the op's outputs it has not seen (an allocation) and a weak reference to each, whose
+callback marks the free the moment the last tensor on that storage dies -- the same moment the real
+allocator would free it. Module scopes (forward and backward), the step's phases, what autograd saves for
 backward, which storages become gradients and optimizer state are recorded in the same stream.
 """
 
@@ -16,8 +16,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+)
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from lightning_memest.engine import data_dependent
@@ -44,11 +47,10 @@ CaptureFilter = Callable[[torch._ops.OpOverload], bool]
 _SKIP_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
 
 
-class Tracker(TorchDispatchMode):
+class Tracker:
     """Records the event stream of everything dispatched inside it (see ``engine.events``)."""
 
     def __init__(self, capture: CaptureFilter | None = None) -> None:
-        super().__init__()
         self.events: list[Event] = []
         self._capture = capture
         self._captured: dict[torch._ops.OpOverload, bool] = {}
@@ -146,19 +148,17 @@ class Tracker(TorchDispatchMode):
                 break
         self.events.append(ModuleExit(path, Phase.BACKWARD if backward else Phase.FORWARD))
 
-    # --- the dispatch mode -----------------------------------------------------------------------
-    def __torch_dispatch__(
+    # --- ops ------------------------------------------------------------------------------------
+    def run_op(
         self,
+        run: Callable[[], Any],
         func: torch._ops.OpOverload,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
-        kwargs = kwargs or {}
-        if func in _SKIP_OPS or func.namespace == "profiler":
-            return func(*args, **kwargs)
+        """Run one op on fake tensors (``run``), apply the data-dependent policy, record it."""
         try:
-            out = func(*args, **kwargs)
+            out = run()
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
             ans = data_dependent.answer(func, args, kwargs)
             if ans is None:
@@ -177,10 +177,14 @@ class Tracker(TorchDispatchMode):
                 op=str(func),
                 module=self.module,
             ) from exc
+        self._record(func, args, kwargs, out)
+        return out
+
+    def _record(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
         self.op_index += 1
-        leaves = (
-            [t for t in tree_leaves(out) if isinstance(t, Tensor)] if not isinstance(out, Tensor) else [out]
-        )
+        leaves = [out] if isinstance(out, Tensor) else [t for t in tree_leaves(out) if isinstance(t, Tensor)]
         capture = self._captured.get(func)
         if capture is None:
             capture = self._capture is not None and self._capture(func)
@@ -211,7 +215,40 @@ class Tracker(TorchDispatchMode):
             )
         )
         self.events.extend(allocs)
-        return out
+
+
+class TrackingFakeTensorMode(FakeTensorMode):
+    """A ``FakeTensorMode`` that reports each op it runs to a :class:`Tracker`.
+
+    One mode rather than a tracking mode stacked above the fake one: a second Python dispatch layer
+    per op would double the estimator's cost. Ops the fake mode runs inside another op (its own
+    decompositions) are not reported: the real kernel of the outer op does not allocate them either.
+    """
+
+    def __init__(self, tracker: Tracker) -> None:
+        super().__init__(allow_non_fake_inputs=True)
+        self.tracker = tracker
+        self._depth = 0
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self._depth or func in _SKIP_OPS or func.namespace == "profiler":
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def run() -> Any:
+            self._depth += 1
+            try:
+                return super(TrackingFakeTensorMode, self).__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._depth -= 1
+
+        return self.tracker.run_op(run, func, args, kwargs)
 
 
 def _is_below(path: str, ancestor: str) -> bool:

@@ -1,0 +1,185 @@
+"""Speed, accuracy and memory of the estimator, on CPU. Prints markdown tables for the README.
+
+For each case:
+  * estimate s -- ``StepEstimate.estimate_seconds`` (median of ``--repeats`` runs; the simulation
+    alone, after one warm-up estimate of another model has paid for imports and first dispatches);
+  * floor s    -- the same two steps (``StepRunner``, same loss/optimizer/precision) on plain
+    meta-device tensors with no tracking at all (median of ``--repeats``): the speed floor, since any
+    estimator has to at least run every op's shape function;
+  * ratio      -- estimate / floor;
+  * error      -- estimate vs ``measure`` (real steps; peaks from the profiler's allocator events) for
+    the first step and the steady state.
+Then the memory of estimating a 7-billion-parameter transformer built on the meta device: the
+process's peak resident-memory growth during the estimate (in a fresh subprocess).
+
+    python benchmarks/benchmark.py            # everything (about 10 minutes on 2 cores)
+    python benchmarks/benchmark.py --quick    # three models, no 7B run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_memest.engine.step import StepRunner, true_dtype  # noqa: E402
+from lightning_memest.models import Case, InputSpec, build_case, estimate_case, measure_case  # noqa: E402
+
+IMAGE = (3, 224, 224)
+CASES = [
+    ("torchvision.models:resnet18", 8, "adam", "32-true"),
+    ("torchvision.models:resnet50", 4, "sgd", "32-true"),
+    ("torchvision.models:mobilenet_v2", 4, "adamw", "32-true"),
+    ("torchvision.models:vit_b_16", 4, "adam", "32-true"),
+    ("torchvision.models:densenet121", 4, "sgd", "32-true"),
+    ("torchvision.models:convnext_tiny", 4, "adamw", "32-true"),
+    ("torchvision.models:efficientnet_b0", 4, "adam", "32-true"),
+    ("torchvision.models:efficientnet_v2_s", 4, "adam", "32-true"),
+    ("tests.models:TinyGPT", 8, "adamw", "32-true"),
+    ("tests.models:LSTMLanguageModel", 8, "adam", "32-true"),
+    ("torchvision.models:resnet18", 4, "sgd", "bf16-mixed"),
+    ("tests.models:TinyGPT", 8, "adam", "bf16-mixed"),
+    ("torchvision.models:resnet18", 4, "adamw", "bf16-true"),
+    ("tests.models:TinyGPT", 4, "adamw", "bf16-true"),
+]
+QUICK = [CASES[0], CASES[8], CASES[9]]
+
+
+def _input(spec: str, batch_size: int) -> InputSpec:
+    if spec.startswith("tests.models:"):
+        return InputSpec(batch_size=batch_size, tokens=128, vocab=1000)
+    return InputSpec(batch_size=batch_size, shape=IMAGE)
+
+
+def meta_floor_seconds(case: Case) -> float:
+    """Two plain steps on meta tensors: no fake mode, no tracking."""
+    model = copy.deepcopy(case.model).to("meta")
+    dtype = true_dtype(case.config.precision)
+    if dtype is not None:
+        model = model.to(dtype)
+
+    def to_meta(t: torch.Tensor) -> torch.Tensor:
+        t = t.to("meta")
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+
+    batch = tree_map_only(torch.Tensor, to_meta, case.batch)
+    start = time.perf_counter()
+    runner = StepRunner(model, case.config)
+    for _ in range(2):
+        runner.run(batch)
+    return time.perf_counter() - start
+
+
+def run_case(spec: str, batch_size: int, optimizer: str, precision: str, repeats: int) -> dict[str, Any]:
+    case = build_case(spec, _input(spec, batch_size), optimizer=optimizer, precision=precision)
+    estimates = [estimate_case(case) for _ in range(repeats)]
+    floors = [meta_floor_seconds(case) for _ in range(repeats)]
+    measured = measure_case(case)
+    est = estimates[0]
+    errors = [
+        100.0 * (p.bytes - truth) / truth for p, truth in zip(est.peaks, measured.peak_bytes, strict=True)
+    ]
+    seconds = statistics.median(e.estimate_seconds for e in estimates)
+    floor = statistics.median(floors)
+    return {
+        "model": spec.split(":")[1],
+        "batch": batch_size,
+        "optimizer": optimizer,
+        "precision": precision,
+        "estimate_s": seconds,
+        "floor_s": floor,
+        "ratio": seconds / floor,
+        "estimated": [p.bytes for p in est.peaks],
+        "measured": list(measured.peak_bytes),
+        "error_pct": errors,
+    }
+
+
+_SEVEN_B = r"""
+import json, os, resource, sys, time
+import torch
+sys.path.insert(0, sys.argv[1])
+from tests.models import TinyGPT, lm_loss
+from lightning_memest import estimate_step
+with torch.device("meta"):
+    model = TinyGPT(n_layers=32, d_model=4096, n_heads=32, vocab=32000, seq_len=2048)
+tokens = torch.randint(0, 32000, (1, 2048), device="meta")
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+before = rss()
+start = time.perf_counter()
+est = estimate_step(model, (tokens, tokens), loss_fn=lm_loss, optimizer=torch.optim.AdamW, precision="bf16-mixed")
+seconds = time.perf_counter() - start
+peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "seconds": seconds,
+                  "rss_growth": max(0, peak_rss - before), "peak_bytes": [p.bytes for p in est.peaks]}))
+"""
+
+
+def seven_b() -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-c", _SEVEN_B, str(ROOT)], capture_output=True, text=True, check=True
+    ).stdout
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="three models and no 7B run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    warm = build_case("tests.models:TinyGPT", _input("tests.models:TinyGPT", 2), optimizer="adam")
+    estimate_case(warm)  # imports and first dispatches, paid once by any process
+    meta_floor_seconds(warm)
+
+    rows = []
+    for spec, batch_size, optimizer, precision in QUICK if args.quick else CASES:
+        print(f"... {spec} b{batch_size} {optimizer} {precision}", file=sys.stderr, flush=True)
+        rows.append(run_case(spec, batch_size, optimizer, precision, args.repeats))
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU\n")
+    print("| model | batch | optimizer | precision | estimate s | meta floor s | ratio | error step 1 | error steady |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        e1, e2 = r["error_pct"]
+        print(
+            f"| {r['model']} | {r['batch']} | {r['optimizer']} | {r['precision']} | {r['estimate_s']:.2f} "
+            f"| {r['floor_s']:.2f} | {r['ratio']:.2f}x | {e1:+.3f} % | {e2:+.3f} % |"
+        )
+    ratios = [r["ratio"] for r in rows]
+    worst = max(abs(e) for r in rows for e in r["error_pct"])
+    print(f"\nmedian ratio to the meta floor: {statistics.median(ratios):.2f}x; worst |error|: {worst:.3f} %")
+    if not args.quick:
+        big = seven_b()
+        print(
+            f"\n7B transformer on the meta device ({big['params'] / 1e9:.2f} B parameters, AdamW, bf16-mixed, "
+            f"1 x 2048 tokens): estimated in {big['seconds']:.1f} s, peak {gib(max(big['peak_bytes']))}, "
+            f"process resident-memory growth {gib(big['rss_growth'])}"
+        )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
