@@ -142,7 +142,9 @@ def gib(n: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="three models and no 7B run")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
@@ -159,7 +161,9 @@ def main() -> None:
         rows.append(run_case(spec, batch_size, optimizer, precision, args.repeats))
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU\n")
-    print("| model | batch | optimizer | precision | estimate s | meta floor s | ratio | error step 1 | error steady |")
+    print(
+        "| model | batch | optimizer | precision | estimate s | meta floor s | ratio | error step 1 | error steady |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         e1, e2 = r["error_pct"]

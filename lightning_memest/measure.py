@@ -1,0 +1,233 @@
+"""Ground truth: the memory of real training steps, measured by a mechanism independent of the estimator.
+
+:func:`measure_step` runs :class:`~lightning_memest.engine.step.StepRunner` on the real model and batch
+(it **trains the model in place**: parameters, buffers such as batch-norm statistics, and the optimizer it
+builds all change; pass a copy if the model must stay as it was) and reports the peak bytes of each step.
+
+How the peak is measured:
+
+* **CPU** -- PyTorch's CPU allocator reports every allocation and free to the profiler. All steps run
+  inside one ``torch.profiler.profile(activities=[CPU], profile_memory=True)``, each step inside
+  ``record_function("memest_step_<i>")``. The ``"[memory]"`` events of
+  ``prof.profiler.kineto_results.events()``, sorted by start time, are summed in order (``nbytes`` is
+  negative on a free): the running sum is the bytes the allocator holds above what existed before
+  profiling. The peak of step ``i`` is the bytes resident before profiling (see :func:`resident_bytes`)
+  plus the largest running sum seen inside step ``i``'s ``record_function`` window, or at the window's
+  start. The running sum carries what earlier steps left behind (optimizer state, momentum buffers), so
+  the second step's peak includes it. Events between two windows (the harness dropping the previous
+  step's returned loss) belong to no step's peak but are carried by the running sum.
+  Measured this way a case is deterministic: the same step measured twice gives the same bytes.
+  Allocations made outside PyTorch's allocator (the Python heap, oneDNN primitive caches, glibc arenas)
+  are not counted -- only what PyTorch's allocator hands out, which is what the estimator models.
+* **CUDA** -- ``torch.cuda.reset_peak_memory_stats()`` before each step and, after a synchronize,
+  ``max_memory_allocated()`` / ``max_memory_reserved()`` after it. These count the caching allocator's
+  blocks (sizes rounded up to 512 B and whole blocks), not the CUDA context.
+
+For the ``*-true`` precisions the caller converts the model and the batch first (the ``memest`` CLI
+does); :func:`measure_step` only runs the steps that ``config`` describes (autocast for ``*-mixed``).
+
+Example:
+    >>> import torch
+    >>> from lightning_memest.engine.step import StepConfig
+    >>> from lightning_memest.measure import measure_step
+    >>> model = torch.nn.Linear(256, 512)
+    >>> config = StepConfig(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    >>> m = measure_step(model, torch.randn(64, 256), config, steps=2)
+    >>> m.device, len(m.peak_bytes)
+    ('cpu', 2)
+    >>> m.first_step == m.steady_state  # plain SGD keeps no state between steps
+    True
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from lightning_memest.engine.step import StepConfig, StepRunner
+
+__all__ = ["STEP_LABEL", "Measurement", "iter_tensors", "measure_step", "resident_bytes"]
+
+#: The ``record_function`` label of step ``i`` is ``f"{STEP_LABEL}{i}"``.
+STEP_LABEL = "memest_step_"
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """The measured memory of real training steps.
+
+    ``peak_bytes[i]`` is the largest number of bytes held by PyTorch's allocator during step ``i``,
+    counting what was resident before it (parameters, buffers, batch, gradients and optimizer state).
+    ``reserved_bytes`` is CUDA's ``max_memory_reserved()`` per step (``None`` on CPU).
+    ``step_seconds`` is the mean wall time of one step: of the steps after the first when there are
+    several (the first pays for lazy initialisation), and on CPU including the profiler's overhead.
+    """
+
+    peak_bytes: tuple[int, ...]
+    reserved_bytes: tuple[int, ...] | None
+    step_seconds: float
+    device: str
+
+    @property
+    def first_step(self) -> int:
+        """The peak of the first step (the optimizer creates its state here)."""
+        return self.peak_bytes[0]
+
+    @property
+    def steady_state(self) -> int:
+        """The peak of the last step measured, which later steps repeat."""
+        return self.peak_bytes[-1]
+
+
+def iter_tensors(obj: Any) -> Iterator[Tensor]:
+    """Every tensor in ``obj``: a tensor, or tuples / lists / dicts / sets of them, nested."""
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from iter_tensors(value)
+    elif isinstance(obj, (tuple, list, set, frozenset)):
+        for value in obj:
+            yield from iter_tensors(value)
+
+
+def _module_tensors(model: nn.Module) -> Iterator[Tensor]:
+    for module in model.modules():
+        # Parameters and buffers live in _parameters/_buffers; vars() also shows plain tensor attributes
+        # (caches such as positional encodings) that are resident too.
+        for tensors in (module._parameters.values(), module._buffers.values(), vars(module).values()):
+            for t in tensors:
+                if isinstance(t, Tensor):
+                    yield t
+                    if t.grad is not None:
+                        yield t.grad
+
+
+def resident_bytes(tensors: Iterable[Tensor]) -> int:
+    """The bytes of the distinct storages behind ``tensors``, each storage counted once.
+
+    A storage is identified by its data pointer and size, so views and tied weights count once.
+    Meta and fake tensors (no real storage) count as nothing.
+
+    >>> import torch
+    >>> w = torch.zeros(10, 10)
+    >>> resident_bytes([w, w[0], w.t(), torch.zeros(3, dtype=torch.float64)])
+    424
+    """
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for t in tensors:
+        if t.device.type == "meta":
+            continue
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key in seen or key[0] == 0:
+            continue
+        seen.add(key)
+        total += key[1]
+    return total
+
+
+def _step_windows(events: list[Any], steps: int) -> list[tuple[int, int]]:
+    windows: dict[int, tuple[int, int]] = {}
+    for e in events:
+        name = e.name()
+        if name.startswith(STEP_LABEL):
+            i = int(name[len(STEP_LABEL) :])
+            windows[i] = (e.start_ns(), e.start_ns() + e.duration_ns())
+    missing = [i for i in range(steps) if i not in windows]
+    if missing:
+        raise RuntimeError(f"the profiler recorded no window for steps {missing}")
+    return [windows[i] for i in range(steps)]
+
+
+def cpu_step_peaks(events: Iterable[Any], steps: int, baseline: int = 0) -> tuple[int, ...]:
+    """Per-step peaks from a CPU profile's kineto events (``prof.profiler.kineto_results.events()``).
+
+    ``baseline`` is the bytes resident before profiling started.
+    """
+    all_events = list(events)
+    windows = _step_windows(all_events, steps)
+    memory = sorted(
+        ((e.start_ns(), e.nbytes()) for e in all_events if e.name() == "[memory]"), key=lambda x: x[0]
+    )
+    peaks: list[int] = []
+    held = 0
+    k = 0
+    for start, end in windows:
+        while k < len(memory) and memory[k][0] < start:
+            held += memory[k][1]
+            k += 1
+        peak = held
+        while k < len(memory) and memory[k][0] <= end:
+            held += memory[k][1]
+            peak = max(peak, held)
+            k += 1
+        peaks.append(baseline + peak)
+    return tuple(peaks)
+
+
+def measure_step(model: nn.Module, batch: Any, config: StepConfig, *, steps: int = 2) -> Measurement:
+    """Run ``steps`` real training steps of ``model`` on ``batch`` and measure each one's peak memory.
+
+    The model is trained in place (see the module docstring). The device is the model's (its first
+    parameter's, else buffer's); the batch must already be there, and for ``*-true`` precisions already
+    converted.
+
+    Example:
+        >>> import torch
+        >>> from lightning_memest.engine.step import StepConfig
+        >>> model = torch.nn.Linear(4, 2)
+        >>> m = measure_step(model, torch.randn(3, 4), StepConfig(optimizer=torch.optim.Adam), steps=2)
+        >>> m.first_step > 0 and m.steady_state > 0
+        True
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1; got {steps}")
+    runner = StepRunner(model, config)
+    device = next((t.device for t in _module_tensors(model)), torch.device("cpu"))
+    if device.type == "cuda":
+        return _measure_cuda(runner, batch, steps, device)
+    if device.type != "cpu":
+        raise ValueError(f"measure_step measures CPU or CUDA models; this one is on {device}")
+    baseline = resident_bytes([*_module_tensors(model), *iter_tensors(batch)])
+    seconds: list[float] = []
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        for i in range(steps):
+            t0 = time.perf_counter()
+            with record_function(f"{STEP_LABEL}{i}"):
+                loss = runner.run(batch)
+            seconds.append(time.perf_counter() - t0)
+            # The loss is dropped between steps: its free falls in no step's window.
+            del loss
+    peaks = cpu_step_peaks(prof.profiler.kineto_results.events(), steps, baseline)
+    return Measurement(peaks, None, _mean_seconds(seconds), "cpu")
+
+
+def _measure_cuda(runner: StepRunner, batch: Any, steps: int, device: torch.device) -> Measurement:
+    peaks: list[int] = []
+    reserved: list[int] = []
+    seconds: list[float] = []
+    for _ in range(steps):
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        loss = runner.run(batch)
+        torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - t0)
+        peaks.append(torch.cuda.max_memory_allocated(device))
+        reserved.append(torch.cuda.max_memory_reserved(device))
+        del loss
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return Measurement(tuple(peaks), tuple(reserved), _mean_seconds(seconds), f"cuda:{index}")
+
+
+def _mean_seconds(seconds: list[float]) -> float:
+    timed = seconds[1:] if len(seconds) > 1 else seconds
+    return sum(timed) / len(timed)

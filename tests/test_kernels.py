@@ -1,0 +1,364 @@
+"""Kernel memory models (lightning_memest.accounting.kernels): hand-computed cases of each formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_memest.accounting.kernels import (
+    KERNEL_MODELS,
+    KernelMemory,
+    OpCall,
+    TensorMeta,
+    kernel_memory,
+    kernel_model_for,
+    register_kernel_model,
+)
+
+aten = torch.ops.aten
+
+
+def meta(
+    *shape: int, dtype: torch.dtype = torch.float32, stride: tuple[int, ...] | None = None
+) -> TensorMeta:
+    if stride is None:
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        stride = t.stride()
+    n = 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+    return TensorMeta(tuple(shape), tuple(stride), dtype, "cpu", n * dtype.itemsize)
+
+
+def cl(n: int, c: int, h: int, w: int) -> TensorMeta:
+    return meta(n, c, h, w, stride=(c * h * w, 1, w * c, c))
+
+
+def call(
+    op: torch._ops.OpOverload, *args: object, outputs: tuple[TensorMeta | None, ...] = (), device: str = "cpu"
+) -> OpCall:
+    return OpCall(op, tuple(args), {}, outputs, device)
+
+
+def ws(c: OpCall) -> int:
+    km = kernel_memory(c)
+    return 0 if km is None else km.workspace_bytes
+
+
+def test_tensor_meta_of_and_layouts() -> None:
+    t = torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    m = TensorMeta.of(t)
+    assert m.shape == (2, 3, 4, 5) and m.nbytes == 2 * 3 * 4 * 5 * 4 and m.bytes == m.nbytes
+    assert m.is_channels_last() and not m.is_contiguous()
+    assert TensorMeta.of(torch.empty(3, 4)).is_contiguous()
+    assert not TensorMeta.of(torch.empty(3, 4).t()).is_contiguous()
+
+
+def test_lookup_by_overload_then_packet() -> None:
+    assert kernel_model_for(aten.mm.default) is KERNEL_MODELS[aten.mm]
+    assert kernel_model_for(aten.relu.default) is None
+    assert kernel_memory(call(aten.relu.default, meta(4))) is None
+
+    @register_kernel_model(aten.relu.default)
+    def fixed(c: OpCall) -> KernelMemory:
+        return KernelMemory(7)
+
+    try:
+        assert kernel_memory(call(aten.relu.default, meta(4))) == KernelMemory(7)
+    finally:
+        del KERNEL_MODELS[aten.relu.default]
+
+
+def test_mm_copies_a_stride0_operand() -> None:
+    grad = meta(512, 64, stride=(0, 0))  # sum's backward expands a scalar
+    x = meta(64, 256)
+    assert ws(call(aten.mm.default, grad, x, outputs=(meta(512, 256),))) == 512 * 64 * 4
+    assert ws(call(aten.mm.default, meta(512, 64), x, outputs=(meta(512, 256),))) == 0
+    assert ws(call(aten.mm.default, meta(512, 64, stride=(1, 512)), x)) == 0  # a transpose: BLAS reads it
+    assert ws(call(aten.mm.default, grad, x, device="cuda")) == 0
+
+
+def test_bf16_addmm_float32_accumulator() -> None:
+    out = meta(512, 1024, dtype=torch.bfloat16)
+    c = call(
+        aten.addmm.default,
+        meta(1024, dtype=torch.bfloat16),
+        meta(512, 256, dtype=torch.bfloat16),
+        meta(256, 1024, dtype=torch.bfloat16, stride=(1, 256)),
+        outputs=(out,),
+    )
+    assert ws(c) == 512 * 1024 * 4 + 128  # measured 2,097,280 (gpt bf16-true)
+
+
+def conv(x: TensorMeta, w: TensorMeta, stride: int = 1, pad: int = 0, groups: int = 1) -> OpCall:
+    return call(aten.convolution.default, x, w, None, [stride] * 2, [pad] * 2, [1, 1], False, [0, 0], groups)
+
+
+def test_convolution_forward_oneDNN_reorders(monkeypatch: pytest.MonkeyPatch) -> None:
+    # resnet18 stem, batch 4: no src reorder (3 channels), y = output size -> excess = y = 12,845,056.
+    assert ws(conv(meta(4, 3, 224, 224), meta(64, 3, 7, 7), 2, 3)) == 4 * 64 * 112 * 112 * 4
+    # 3x3 64->64 at 56x56: src reorder + weight reorder (measured excess 3,358,720).
+    assert ws(conv(meta(4, 64, 56, 56), meta(64, 64, 3, 3), 1, 1)) == 4 * 64 * 56 * 56 * 4 + 64 * 64 * 9 * 4
+    # 1x1 stride 2 gathers strided input per thread: + threads x C x OH x OW x 4 + 128 (measured 3,645,568).
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    expected = 4 * 64 * 56 * 56 * 4 + 128 * 64 * 4 + 2 * 64 * 28 * 28 * 4 + 128
+    assert ws(conv(meta(4, 64, 56, 56), meta(128, 64, 1, 1), 2)) == expected
+    # channels-last depthwise (convnext): only the padded weight reorder (measured 18,816).
+    assert ws(conv(cl(4, 96, 56, 56), meta(96, 1, 7, 7), 1, 3, groups=96)) == 96 * 49 * 4
+    # channels-last 2x2 stride 2: weight made channels-last + reorder + 12,336 (measured 602,160).
+    assert ws(conv(cl(4, 96, 56, 56), meta(192, 96, 2, 2), 2)) == 2 * 192 * 96 * 4 * 4 + 12336
+    # channel padding to 16: 24 channels count as 32 in the blocked buffers.
+    assert (
+        ws(conv(meta(1, 24, 8, 8), meta(24, 24, 1, 1)))
+        == 32 * 64 * 4 + 32 * 32 * 4 + 32 * 64 * 4 - 24 * 64 * 4
+    )
+
+
+def test_convolution_backward() -> None:
+    # resnet18 3x3 512->512 at 7x7, batch 4: the blocked diff-weights buffer outlives grad_weight's reorder.
+    c = call(
+        aten.convolution_backward.default,
+        meta(4, 512, 7, 7),
+        meta(4, 512, 7, 7),
+        meta(512, 512, 3, 3),
+        None,
+        [1, 1],
+        [1, 1],
+        [1, 1],
+        False,
+        [0, 0],
+        1,
+        [True, True, False],
+    )
+    assert ws(c) == 512 * 512 * 9 * 4  # measured 9,437,184
+    # The stem (no grad_input): grad_output reorder + weights (measured 12,891,264 with 46,208 of scratch).
+    c = call(
+        aten.convolution_backward.default,
+        meta(4, 64, 112, 112),
+        meta(4, 3, 224, 224),
+        meta(64, 3, 7, 7),
+        None,
+        [2, 2],
+        [3, 3],
+        [1, 1],
+        False,
+        [0, 0],
+        1,
+        [False, True, False],
+    )
+    assert ws(c) == 4 * 64 * 112 * 112 * 4
+
+
+def convb(
+    go: TensorMeta,
+    x: TensorMeta,
+    w: TensorMeta,
+    stride: int,
+    padding: int,
+    groups: int = 1,
+    mask: tuple[bool, bool, bool] = (True, True, True),
+) -> OpCall:
+    return call(
+        aten.convolution_backward.default,
+        go,
+        x,
+        w,
+        [w.shape[0]],
+        [stride, stride],
+        [padding, padding],
+        [1, 1],
+        False,
+        [0, 0],
+        groups,
+        list(mask),
+    )
+
+
+def test_convolution_backward_channels_last() -> None:
+    # convnext_tiny, batch 4, float32 (all measured exactly).
+    # Depthwise 7x7: 257 x the weight + the bias, whatever the batch and map size (38,688,768 at C=768).
+    w = meta(768, 1, 7, 7)
+    assert ws(convb(cl(4, 768, 7, 7), cl(4, 768, 7, 7), w, 1, 3, 768)) == 257 * 768 * 49 * 4 + 768 * 4
+    assert ws(convb(cl(8, 96, 56, 56), cl(8, 96, 56, 56), meta(96, 1, 7, 7), 1, 3, 96)) == 4836096
+    # Depthwise 3x3: 2 x the weight + the bias (58,368 at C=768); grad_input only: 2 x the weight.
+    assert ws(convb(cl(4, 768, 7, 7), cl(4, 768, 7, 7), meta(768, 1, 3, 3), 1, 1, 768)) == 58368
+    c = convb(cl(4, 8, 14, 14), cl(4, 8, 14, 14), meta(8, 1, 7, 7), 1, 3, 8, (True, False, False))
+    assert ws(c) == 2 * 8 * 49 * 4  # measured 3,136
+    # Dense 2x2 stride 2: weight made channels-last + blocked weight + blocked diff weights + bias
+    # (3,540,480); a plain-contiguous grad_output is made channels-last first (+602,112: 14,760,960).
+    w = meta(384, 192, 2, 2)
+    assert ws(convb(cl(4, 384, 14, 14), cl(4, 192, 28, 28), w, 2, 0)) == 3 * w.bytes + 384 * 4
+    w = meta(768, 384, 2, 2)
+    assert ws(convb(meta(4, 768, 7, 7), cl(4, 384, 14, 14), w, 2, 0)) == 14760960
+    # grad_input only: weight copy + blocked weight + 12,464 of scratch (measured 307,376).
+    w = meta(64, 64, 3, 3)
+    assert ws(convb(cl(4, 64, 28, 28), cl(4, 64, 28, 28), w, 1, 1, mask=(True, False, False))) == 307376
+    # Stem of convnext: NCHW input, so the NCHW backend; the channels-last grad_output is copied
+    # (+4,816,896) on top of the NCHW formula (measured 9,660,928 at 2 threads: 27.5 KB of scratch open).
+    c = convb(cl(4, 96, 56, 56), meta(4, 3, 224, 224), meta(96, 3, 4, 4), 4, 0, mask=(False, True, True))
+    plain = convb(
+        meta(4, 96, 56, 56), meta(4, 3, 224, 224), meta(96, 3, 4, 4), 4, 0, mask=(False, True, True)
+    )
+    assert ws(c) == ws(plain) + 4 * 96 * 56 * 56 * 4
+
+
+def test_convolution_backward_bf16_weights_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    bf = torch.bfloat16
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    # resnet18 layer4 3x3 512->512 at 7x7, batch 4 (the bf16-true step peak): blocked grad_output and input
+    # (200,704 each) + scratch = float32 diff weights 9,437,184 + transposed source 512*7*10*2 + transposed
+    # grad_output 512*7*8*2 + 2 threads x 8,192 + 388 = 9,582,980 (measured 9,984,388 in all).
+    c = convb(
+        meta(4, 512, 7, 7, dtype=bf),
+        meta(4, 512, 7, 7, dtype=bf),
+        meta(512, 512, 3, 3, dtype=bf),
+        1,
+        1,
+        mask=(True, True, False),
+    )
+    assert ws(c) == 2 * 200704 + 512 * 512 * 9 * 4 + 512 * 7 * 10 * 2 + 512 * 7 * 8 * 2 + 2 * 8192 + 388
+    # 3x3 64->64 at 56x56: threads split the minibatch, each with its own copies (measured 5,149,060).
+    c = convb(
+        meta(4, 64, 56, 56, dtype=bf),
+        meta(4, 64, 56, 56, dtype=bf),
+        meta(64, 64, 3, 3, dtype=bf),
+        1,
+        1,
+        mask=(True, True, False),
+    )
+    per_thread = 64 * 64 * 9 * 4 + 64 * 56 * 58 * 2 + 64 * 56 * 56 * 2
+    assert ws(c) == 2 * 1605632 + 2 * per_thread + 8580
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert ws(c) == 2 * 1605632 + per_thread + 8580  # measured 1-thread scratch 973,188
+
+
+def test_batch_norm() -> None:
+    x = meta(4, 64, 112, 112)
+    c64 = meta(64)
+    fwd = call(aten.native_batch_norm.default, x, c64, c64, c64, c64, True, 0.1, 1e-5)
+    assert ws(fwd) == 2 * 64 * 4
+    assert ws(call(aten.native_batch_norm.default, x, c64, c64, c64, c64, False, 0.1, 1e-5)) == 0
+    bwd = call(aten.native_batch_norm_backward.default, x, x, c64, c64, c64, c64, c64, True, 1e-5, [True] * 3)
+    assert ws(bwd) == 4 * 64 * 112 * 112 * 4  # measured 12,845,056 (resnet18 batch 4)
+
+
+def test_layer_norm_and_embedding_copy_strided_inputs() -> None:
+    strided = meta(4, 197, 768, stride=(768, 3072, 1))  # vit_b_16: a transposed (seq, batch) view
+    assert (
+        ws(call(aten.native_layer_norm.default, strided, [768], meta(768), meta(768), 1e-6))
+        == 4 * 197 * 768 * 4
+    )
+    assert ws(call(aten.native_layer_norm.default, meta(4, 197, 768), [768], None, None, 1e-6)) == 0
+    stats = meta(4, 197, 1)
+    bwd = call(
+        aten.native_layer_norm_backward.default,
+        strided,
+        strided,
+        [768],
+        stats,
+        stats,
+        meta(768),
+        meta(768),
+        [True] * 3,
+    )
+    assert ws(bwd) == 2 * 4 * 197 * 768 * 4  # measured 4,853,760
+    grad = meta(4, 128, 256, stride=(256, 1024, 1))
+    assert (
+        ws(
+            call(
+                aten.embedding_dense_backward.default, grad, meta(4, 128, dtype=torch.int64), 1000, -1, False
+            )
+        )
+        == 4 * 128 * 256 * 4
+    )
+
+
+def test_bf16_mean_accumulates_in_float32() -> None:
+    x = meta(4, 512, 7, 7, dtype=torch.bfloat16)
+    out = meta(4, 512, 1, 1, dtype=torch.bfloat16)
+    assert ws(call(aten.mean.dim, x, [-1, -2], True, outputs=(out,))) == 401408 + 8192
+    assert ws(call(aten.mean.dim, meta(4, 512, 7, 7), [-1, -2], True, outputs=(meta(4, 512, 1, 1),))) == 0
+
+
+def lstm_fwd(t: int, n: int, i: int, h: int) -> OpCall:
+    hx = meta(n, h)
+    outs = (meta(t, n, h), hx, hx, meta(0, dtype=torch.uint8))
+    return call(
+        aten.mkldnn_rnn_layer.default,
+        meta(t, n, i),
+        meta(4 * h, i),
+        meta(4 * h, h),
+        meta(4 * h),
+        meta(4 * h),
+        hx,
+        hx,
+        False,
+        [],
+        2,
+        h,
+        1,
+        True,
+        False,
+        True,
+        True,
+        outputs=outs,
+    )
+
+
+@pytest.mark.parametrize(
+    ("t", "n", "i", "h", "workspace", "transient"),
+    [
+        (128, 4, 256, 512, 16_084_992, 10_605_112),  # measured (tests/models.py LSTM LM, batch 4)
+        (128, 16, 512, 512, 64_303_104, None),  # the NOTES' 512->512 layer at batch 16
+        (32, 3, 100, 200, 1_212_416, 1_283_256),
+        (10, 1, 16, 32, 32_768, 46_136),
+    ],
+)
+def test_lstm_workspace_output_and_transients(
+    t: int, n: int, i: int, h: int, workspace: int, transient: int | None
+) -> None:
+    km = kernel_memory(lstm_fwd(t, n, i, h))
+    assert km is not None and km.extra_output_bytes == (0, 0, 0, workspace)
+    if transient is not None:
+        assert km.workspace_bytes == transient
+
+
+def test_lstm_backward() -> None:
+    t, n, h = 128, 4, 512
+    x, hx, y = meta(t, n, 512), meta(n, h), meta(t, n, h)
+    grad = meta(t, n, h, stride=(h, t * h, 1))  # the LM's gradient arrives batch-first
+    w, b = meta(4 * h, 512), meta(4 * h)
+    c = call(
+        aten.mkldnn_rnn_layer_backward.default,
+        x,
+        w,
+        meta(4 * h, h),
+        b,
+        b,
+        hx,
+        hx,
+        y,
+        hx,
+        hx,
+        grad,
+        None,
+        None,
+        False,
+        2,
+        h,
+        1,
+        True,
+        True,
+        False,
+        [],
+        True,
+        meta(16084992, dtype=torch.uint8),
+        outputs=(x, w, meta(4 * h, h), b, b, hx, hx),
+    )
+    km = kernel_memory(c)
+    assert km is not None
+    assert km.workspace_bytes == 22_434_360  # measured excess, layer 2 of the LSTM LM at batch 4
+    assert km.extra_output_bytes == (0, 0, 0, 0, 4 * h * 4, 0, 0)
+
+
+def test_cuda_calls_get_no_cpu_model() -> None:
+    c = lstm_fwd(8, 2, 16, 16)
+    assert kernel_memory(OpCall(c.op, c.args, c.kwargs, c.outputs, "cuda")) is None
