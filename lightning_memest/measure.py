@@ -196,7 +196,9 @@ def measure_step(model: nn.Module, batch: Any, config: StepConfig, *, steps: int
         return _measure_cuda(runner, batch, steps, device)
     if device.type != "cpu":
         raise ValueError(f"measure_step measures CPU or CUDA models; this one is on {device}")
-    baseline = resident_bytes([*_module_tensors(model), *iter_tensors(batch)])
+    # Some optimizers (Adagrad, ASGD) create state in their constructor: resident before step 1 too.
+    optimizer_state = iter_tensors(list(runner.optimizer.state.values())) if runner.optimizer else iter(())
+    baseline = resident_bytes([*_module_tensors(model), *iter_tensors(batch), *optimizer_state])
     seconds: list[float] = []
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for i in range(steps):

@@ -52,7 +52,7 @@ def _all_selected_nonzero(t: Tensor) -> Answer:
 
 
 def _all_selected_masked(t: Tensor, mask: Tensor) -> Answer:
-    shape = torch.broadcast_shapes(t.shape, mask.shape)
+    shape = torch.broadcast_shapes(t.shape, mask.shape)  # type: ignore[no-untyped-call]
     n = math.prod(shape)
     return Answer(torch.empty((n,), dtype=t.dtype, device=t.device), f"every element selected ({n})")
 

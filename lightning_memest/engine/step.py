@@ -152,7 +152,7 @@ class StepRunner:
             raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
         self._phase(Phase.BACKWARD)
         if loss.requires_grad:
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
         if self.listener is not None:
             self.listener.on_gradients([p.grad for p in self.model.parameters() if p.grad is not None])
         if self.optimizer is not None:
@@ -175,9 +175,7 @@ class StepRunner:
 
 
 def _device_type(model: nn.Module) -> str:
-    for t in model.parameters():
-        return t.device.type
-    for t in model.buffers():
+    for t in (*model.parameters(), *model.buffers()):
         return t.device.type
     return "cpu"
 

@@ -10,7 +10,7 @@ backward, which storages become gradients and optimizer state are recorded in th
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -217,7 +217,7 @@ class Tracker:
         self.events.extend(allocs)
 
 
-class TrackingFakeTensorMode(FakeTensorMode):
+class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
     """A ``FakeTensorMode`` that reports each op it runs to a :class:`Tracker`.
 
     One mode rather than a tracking mode stacked above the fake one: a second Python dispatch layer
@@ -233,11 +233,11 @@ class TrackingFakeTensorMode(FakeTensorMode):
     def __torch_dispatch__(
         self,
         func: torch._ops.OpOverload,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
+        kwargs = dict(kwargs or {})
         if self._depth or func in _SKIP_OPS or func.namespace == "profiler":
             return super().__torch_dispatch__(func, types, args, kwargs)
 
@@ -248,7 +248,7 @@ class TrackingFakeTensorMode(FakeTensorMode):
             finally:
                 self._depth -= 1
 
-        return self.tracker.run_op(run, func, args, kwargs)
+        return self.tracker.run_op(run, func, tuple(args), kwargs)
 
 
 def _is_below(path: str, ancestor: str) -> bool:
