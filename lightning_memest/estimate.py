@@ -2,32 +2,25 @@
 
 from __future__ import annotations
 
-import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
+from torch import nn
 
 from lightning_memest.accounting import kernels
 from lightning_memest.accounting.allocator import ROLE_ORDER, Replay, replay
 from lightning_memest.engine.events import Alloc, DataDependent, Event, OpEvent, Role, Tag
-from lightning_memest.engine.fake import FakeConverter, fake_module, resident_tensors
+from lightning_memest.engine.simulate import simulate
 from lightning_memest.engine.step import (
     LossFn,
     OptimizerFactory,
     Phase,
     StepConfig,
-    StepRunner,
     check_precision,
     sum_loss,
-    true_dtype,
 )
-from lightning_memest.engine.tracker import Tracker, TrackingFakeTensorMode, module_scopes, saved_tensor_tags
-from lightning_memest.errors import EstimationError
 from lightning_memest.report import (
     Breakdown,
     DataDependentRead,
@@ -77,95 +70,30 @@ def estimate_step(
         8478816
     """
     checked = check_precision(precision)
-    if steps < 1:
-        raise ValueError(f"steps must be at least 1; got {steps}")
-    target = _target_device(model, device)
-    start = time.perf_counter()
-    tracker = Tracker(capture=_has_kernel_model)
-    mode = TrackingFakeTensorMode(tracker)
-    converter = FakeConverter(mode, target, true_dtype(checked))
-    with ExitStack() as stack:
-        stack.enter_context(_preserved_rng(target))
-        stack.enter_context(fake_module(model, converter))
-        fake_batch = converter.batch(batch)
-        _add_residents(tracker, model, fake_batch)
-        model.train()
-        stack.enter_context(mode)
-        stack.enter_context(module_scopes(model, tracker))
-        stack.enter_context(saved_tensor_tags(tracker))
-        try:
-            runner = StepRunner(model, StepConfig(loss_fn, optimizer, checked), listener=tracker)
-            for _ in range(steps):
-                runner.run(fake_batch)
-        except EstimationError:
-            raise
-        except Exception as exc:
-            raise EstimationError(
-                f"the step failed on fake tensors: {type(exc).__name__}: {exc}",
-                op=_last_op(tracker.events),
-                module=tracker.module or None,
-            ) from exc
-        del runner
-    seconds = time.perf_counter() - start
-    result = replay(tracker.events, steps, kernels.kernel_memory)
+    sim = simulate(
+        model, batch, StepConfig(loss_fn, optimizer, checked), device=device, steps=steps, capture=_captured
+    )
+    result = replay(sim.events, steps, kernels.kernel_memory)
     return StepEstimate(
-        device=str(target),
+        device=str(sim.device),
         precision=checked,
         peaks=_peaks(result),
-        modules=_module_tree(model, tracker.events, result),
+        modules=_module_tree(model, sim.events, result),
         timeline=tuple(
             TimelinePoint(
                 s.event.index, s.event.step + 1, s.event.phase, s.event.module, s.event.op, s.live_bytes
             )
             for s in result.samples
         ),
-        data_dependent=_data_dependent_reads(tracker.events),
+        data_dependent=_data_dependent_reads(sim.events),
         reserved_bytes=None,
-        estimate_seconds=seconds,
+        estimate_seconds=sim.seconds,
     )
 
 
-def _target_device(model: nn.Module, device: str | torch.device | None) -> torch.device:
-    if device is None:
-        first = next((t for _, t, _ in resident_tensors(model)), None)
-        device = "cpu" if first is None or first.device.type == "meta" else first.device
-    target = torch.device(device)
-    if target.type == "cuda":
-        if not torch.cuda.is_available():
-            raise EstimationError(
-                "device cuda needs a GPU on this machine for now (a CPU-only what-if for CUDA is planned)"
-            )
-        if target.index is None:
-            target = torch.device("cuda", torch.cuda.current_device())
-    elif target.type != "cpu":
-        raise EstimationError(f"device must be cpu or cuda; got {target}")
-    return target
-
-
-@contextmanager
-def _preserved_rng(device: torch.device) -> Iterator[None]:
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, enabled=True):
-        yield
-
-
-def _add_residents(tracker: Tracker, model: nn.Module, batch: Any) -> None:
-    for path, t, is_param in resident_tensors(model):
-        tracker.add_resident(t, Role.PARAMETER if is_param else Role.BUFFER, path)
-    for t in tree_leaves(batch):
-        if isinstance(t, Tensor):
-            tracker.add_resident(t, Role.INPUT, "")
-
-
-def _has_kernel_model(op: torch._ops.OpOverload) -> bool:
+def _captured(op: torch._ops.OpOverload) -> bool:
+    """Ops whose full call the accounting needs: those with a kernel memory model."""
     return kernels.kernel_model_for(op) is not None
-
-
-def _last_op(events: Sequence[Event]) -> str | None:
-    for e in reversed(events):
-        if isinstance(e, OpEvent):
-            return e.op
-    return None
 
 
 def _peaks(result: Replay) -> tuple[Peak, ...]:

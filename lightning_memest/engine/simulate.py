@@ -1,0 +1,132 @@
+"""Run training steps on fake tensors and return the event stream: the engine's one entry point.
+
+Knows nothing of accounting or reports: ``estimate_step`` (and later the Lightning callback and the
+batch-size search) turn the stream into numbers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from lightning_memest.engine.events import Event, OpEvent, Role
+from lightning_memest.engine.fake import FakeConverter, fake_module, resident_tensors
+from lightning_memest.engine.step import StepConfig, StepRunner, true_dtype
+from lightning_memest.engine.tracker import (
+    CaptureFilter,
+    Tracker,
+    TrackingFakeTensorMode,
+    module_scopes,
+    saved_tensor_tags,
+)
+from lightning_memest.errors import EstimationError
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """What a fake run of training steps produced."""
+
+    events: list[Event]
+    device: torch.device
+    steps: int
+    seconds: float
+    """Wall seconds of the simulation (conversion to fake tensors and the steps)."""
+
+
+def simulate(
+    model: nn.Module,
+    batch: Any,
+    config: StepConfig,
+    *,
+    device: str | torch.device | None = None,
+    steps: int = 2,
+    capture: CaptureFilter | None = None,
+) -> Simulation:
+    """Run ``steps`` training steps of ``model`` on fake tensors of ``device``; record every event.
+
+    ``model`` is left exactly as it was (see ``engine.fake``), and so is the global RNG state.
+    ``capture`` picks the ops whose full call (argument shapes) is recorded.
+
+    Example:
+        >>> import torch
+        >>> from lightning_memest.engine.step import StepConfig
+        >>> sim = simulate(torch.nn.Linear(8, 8), torch.randn(4, 8), StepConfig(), steps=1)
+        >>> sim.device, sim.steps, len(sim.events) > 0
+        (device(type='cpu'), 1, True)
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1; got {steps}")
+    target = _target_device(model, device)
+    start = time.perf_counter()
+    tracker = Tracker(capture=capture)
+    mode = TrackingFakeTensorMode(tracker)
+    converter = FakeConverter(mode, target, true_dtype(config.precision))
+    with ExitStack() as stack:
+        stack.enter_context(_preserved_rng(target))
+        stack.enter_context(fake_module(model, converter))
+        fake_batch = converter.batch(batch)
+        _add_residents(tracker, model, fake_batch)
+        model.train()
+        stack.enter_context(mode)
+        stack.enter_context(module_scopes(model, tracker))
+        stack.enter_context(saved_tensor_tags(tracker))
+        try:
+            runner = StepRunner(model, config, listener=tracker)
+            for _ in range(steps):
+                runner.run(fake_batch)
+        except EstimationError:
+            raise
+        except Exception as exc:
+            raise EstimationError(
+                f"the step failed on fake tensors: {type(exc).__name__}: {exc}",
+                op=_last_op(tracker.events),
+                module=tracker.module or None,
+            ) from exc
+        del runner
+    return Simulation(tracker.events, target, steps, time.perf_counter() - start)
+
+
+def _target_device(model: nn.Module, device: str | torch.device | None) -> torch.device:
+    if device is None:
+        first = next((t for _, t, _ in resident_tensors(model)), None)
+        device = "cpu" if first is None or first.device.type == "meta" else first.device
+    target = torch.device(device)
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EstimationError(
+                "device cuda needs a GPU on this machine for now (a CPU-only what-if for CUDA is planned)"
+            )
+        if target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+    elif target.type != "cpu":
+        raise EstimationError(f"device must be cpu or cuda; got {target}")
+    return target
+
+
+@contextmanager
+def _preserved_rng(device: torch.device) -> Iterator[None]:
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices, enabled=True):
+        yield
+
+
+def _add_residents(tracker: Tracker, model: nn.Module, batch: Any) -> None:
+    for path, t, is_param in resident_tensors(model):
+        tracker.add_resident(t, Role.PARAMETER if is_param else Role.BUFFER, path)
+    for t in tree_leaves(batch):
+        if isinstance(t, Tensor):
+            tracker.add_resident(t, Role.INPUT, "")
+
+
+def _last_op(events: Sequence[Event]) -> str | None:
+    for e in reversed(events):
+        if isinstance(e, OpEvent):
+            return e.op
+    return None
