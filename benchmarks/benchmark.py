@@ -121,7 +121,9 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 before = rss()
 start = time.perf_counter()
-est = estimate_step(model, (tokens, tokens), loss_fn=lm_loss, optimizer=torch.optim.AdamW, precision="bf16-mixed")
+est = estimate_step(
+    model, (tokens, tokens), loss_fn=lm_loss, optimizer=torch.optim.AdamW, precision="bf16-mixed"
+)
 seconds = time.perf_counter() - start
 peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "seconds": seconds,
@@ -161,9 +163,8 @@ def main() -> None:
         rows.append(run_case(spec, batch_size, optimizer, precision, args.repeats))
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU\n")
-    print(
-        "| model | batch | optimizer | precision | estimate s | meta floor s | ratio | error step 1 | error steady |"
-    )
+    columns = ["model", "batch", "optimizer", "precision", "estimate s", "meta floor s", "ratio"]
+    print("| " + " | ".join([*columns, "error step 1", "error steady"]) + " |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         e1, e2 = r["error_pct"]
@@ -177,8 +178,8 @@ def main() -> None:
     if not args.quick:
         big = seven_b()
         print(
-            f"\n7B transformer on the meta device ({big['params'] / 1e9:.2f} B parameters, AdamW, bf16-mixed, "
-            f"1 x 2048 tokens): estimated in {big['seconds']:.1f} s, peak {gib(max(big['peak_bytes']))}, "
+            f"\n7B transformer on the meta device ({big['params'] / 1e9:.2f} B parameters, AdamW, "
+            f"bf16-mixed, 1 x 2048 tokens): estimated in {big['seconds']:.1f} s, peak {gib(max(big['peak_bytes']))}, "
             f"process resident-memory growth {gib(big['rss_growth'])}"
         )
     if args.json:

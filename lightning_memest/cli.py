@@ -1,0 +1,369 @@
+"""``memest``: estimate, measure and compare the memory of one training step from the command line.
+
+::
+
+    memest estimate MODEL [--model-kwargs JSON] [--batch-size N]
+                    (--input-shape C,H,W | --tokens SEQ --vocab V)
+                    [--loss cross_entropy|sum] [--optimizer sgd|adam|adamw|none]
+                    [--precision 32-true|16-mixed|bf16-mixed|16-true|bf16-true] [--device cpu|cuda] [--json]
+    memest measure  (the same arguments)
+    memest compare MODEL [MODEL ...] (the same input, loss, optimizer, precision and device flags) [--json]
+
+``MODEL`` is ``package.module:name`` (the current directory is importable); see
+:mod:`lightning_memest.models` for how models, inputs, losses and optimizers are made.
+
+Exit status: 0 on success; 2 on bad input (an unknown model, a bad flag, an input the model rejects)
+and when the estimator cannot simulate the step (:class:`~lightning_memest.errors.MemestError`), with
+one ``memest: error: ...`` line on stderr; 1 on an unexpected failure (set ``MEMEST_DEBUG=1`` for its
+traceback).
+
+Example:
+    >>> main(["estimate", "torch.nn:Linear", "--model-kwargs", '{"in_features": 8, "out_features": 4}',
+    ...       "--input-shape", "8", "--json"])  # doctest: +SKIP
+    {"peak_bytes": {"first_step": ..., "steady_state": ...}, ...}
+    0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn, TextIO
+
+from lightning_memest.engine.step import PRECISIONS
+from lightning_memest.errors import MemestError
+from lightning_memest.models import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_LOSS,
+    DEFAULT_OPTIMIZER,
+    LOSSES,
+    OPTIMIZERS,
+    Case,
+    InputSpec,
+    SpecError,
+    build_case,
+    estimate_case,
+    measure_case,
+    parse_shape,
+    resolve_model,
+)
+from lightning_memest.report import ModuleStats, StepEstimate, format_bytes
+
+__all__ = ["main"]
+
+PROG = "memest"
+DEVICES = ("cpu", "cuda")
+#: How many modules the readable estimate lists.
+TOP_MODULES = 5
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``memest: error: ...``), like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _add_case_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model-kwargs",
+        metavar="JSON",
+        default=None,
+        help="keyword arguments for the model class or factory, as a JSON object",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        metavar="N",
+        help=f"batch size (default {DEFAULT_BATCH_SIZE})",
+    )
+    inputs = p.add_mutually_exclusive_group(required=True)
+    inputs.add_argument(
+        "--input-shape", metavar="C,H,W", help="float input of shape (N, C, H, W) (any number of sizes)"
+    )
+    inputs.add_argument("--tokens", type=int, metavar="SEQ", help="token-id input of shape (N, SEQ)")
+    p.add_argument(
+        "--vocab", type=int, metavar="V", help="vocabulary size of --tokens inputs (required with it)"
+    )
+    p.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default=DEFAULT_LOSS,
+        help="cross_entropy against random class ids (the output's last dimension), or the output's sum "
+        f"(default {DEFAULT_LOSS})",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=DEFAULT_OPTIMIZER,
+        help=f"sgd (lr 0.01, momentum 0.9), adam or adamw (lr 1e-3), or none (default {DEFAULT_OPTIMIZER})",
+    )
+    p.add_argument(
+        "--precision", choices=PRECISIONS, default="32-true", help="Lightning precision (default 32-true)"
+    )
+    p.add_argument("--device", choices=DEVICES, default="cpu", help="device (default cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON value instead of a table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``memest`` argument parser."""
+    parser = _Parser(
+        prog=PROG,
+        description="Estimate the memory of one PyTorch training step on fake tensors; measure it for real.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{estimate,measure,compare}")
+    model_help = "package.module:name of an nn.Module class or factory (the current directory is importable)"
+    for name, help_text in (
+        ("estimate", "estimate the peak memory of a training step, without running it"),
+        ("measure", "run two real training steps and measure their peak memory"),
+    ):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("model", metavar="MODEL", help=model_help)
+        _add_case_flags(p)
+    p = sub.add_parser(
+        "compare",
+        help="estimate and measure each model, and show the error",
+        description="estimate and measure each model, and show the error",
+    )
+    p.add_argument("models", metavar="MODEL", nargs="+", help=model_help)
+    _add_case_flags(p)
+    return parser
+
+
+# ------------------------------------------------------------------------------------------ settings
+
+
+def _input_spec(args: argparse.Namespace) -> InputSpec:
+    if args.tokens is not None and args.vocab is None:
+        raise SpecError("--tokens needs --vocab")
+    if args.vocab is not None and args.tokens is None:
+        raise SpecError("--vocab goes with --tokens")
+    shape = parse_shape(args.input_shape) if args.input_shape is not None else None
+    return InputSpec(batch_size=args.batch_size, shape=shape, tokens=args.tokens, vocab=args.vocab)
+
+
+def _model_kwargs(text: str | None) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"--model-kwargs is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise SpecError(f"--model-kwargs must be a JSON object; got {type(value).__name__}")
+    return value
+
+
+def _build(spec: str, args: argparse.Namespace, inputs: InputSpec, kwargs: dict[str, Any]) -> Case:
+    return build_case(
+        spec,
+        inputs,
+        model_kwargs=kwargs,
+        loss=args.loss,
+        optimizer=args.optimizer,
+        precision=args.precision,
+    )
+
+
+def _settings(args: argparse.Namespace, inputs: InputSpec) -> str:
+    return f"{inputs.describe()}, {args.loss}, {args.optimizer}, {args.precision}, {args.device}"
+
+
+# ------------------------------------------------------------------------------------------ commands
+
+
+def _estimate(args: argparse.Namespace, out: TextIO) -> None:
+    inputs = _input_spec(args)
+    case = _build(args.model, args, inputs, _model_kwargs(args.model_kwargs))
+    est = estimate_case(case, device=args.device)
+    if args.json:
+        print(json.dumps(est.to_json()), file=out)
+        return
+    print(f"estimate of {args.model} ({_settings(args, inputs)})", file=out)
+    _print_estimate(est, out)
+
+
+def _print_estimate(est: StepEstimate, out: TextIO) -> None:
+    rows = [("peak, first step", est.first_step.bytes), ("peak, steady state", est.steady_state.bytes)]
+    if est.reserved_bytes is not None:
+        rows += [
+            ("reserved, first step", est.reserved_bytes[0]),
+            ("reserved, steady state", est.reserved_bytes[-1]),
+        ]
+    for label, n in rows:
+        print(f"  {label:<24}{format_bytes(n):>12}  ({n:,} B)", file=out)
+    peak = est.steady_state
+    where = f"{peak.op} in {peak.module or '(root)'}, {peak.phase.value}"
+    print(f"\n  at the steady-state peak ({where}):", file=out)
+    for name, n in peak.breakdown.items():
+        print(f"    {name:<22}{format_bytes(n):>12}", file=out)
+    leaves = [m for m in est.modules.walk() if not m.children and m.path and m.saved_bytes > 0]
+    if leaves:
+        print(f"\n  modules saving the most for backward (first step, top {TOP_MODULES}):", file=out)
+        for m in sorted(leaves, key=_saved, reverse=True)[:TOP_MODULES]:
+            print(f"    {m.path + ' (' + m.type_name + ')':<40}{format_bytes(m.saved_bytes):>12}", file=out)
+    if est.data_dependent:
+        print("\n  the step read tensor values, which the simulation assumed:", file=out)
+        for read in est.data_dependent:
+            print(
+                f"    {read.op} in {read.module or '(root)'} x{read.count}: assumed {read.assumed}", file=out
+            )
+    print(f"\n  estimated in {est.estimate_seconds:.2f} s", file=out)
+
+
+def _saved(m: ModuleStats) -> int:
+    return m.saved_bytes
+
+
+def _measure(args: argparse.Namespace, out: TextIO) -> None:
+    inputs = _input_spec(args)
+    case = _build(args.model, args, inputs, _model_kwargs(args.model_kwargs))
+    m = measure_case(case, device=args.device)
+    if args.json:
+        reserved = (
+            None
+            if m.reserved_bytes is None
+            else {"first_step": m.reserved_bytes[0], "steady_state": m.reserved_bytes[-1]}
+        )
+        data = {
+            "peak_bytes": {"first_step": m.first_step, "steady_state": m.steady_state},
+            "reserved_bytes": reserved,
+            "step_seconds": round(m.step_seconds, 4),
+        }
+        print(json.dumps(data), file=out)
+        return
+    print(f"measurement of {args.model} ({_settings(args, inputs)}, on {m.device})", file=out)
+    rows = [("peak, first step", m.first_step), ("peak, steady state", m.steady_state)]
+    if m.reserved_bytes is not None:
+        rows += [
+            ("reserved, first step", m.reserved_bytes[0]),
+            ("reserved, steady state", m.reserved_bytes[-1]),
+        ]
+    for label, n in rows:
+        print(f"  {label:<24}{format_bytes(n):>12}  ({n:,} B)", file=out)
+    print(f"\n  one step took {m.step_seconds:.3f} s", file=out)
+
+
+def _error_percent(estimated: int, measured: int) -> float | None:
+    return None if measured == 0 else round(100.0 * (estimated - measured) / measured, 3)
+
+
+def compare_row(
+    spec: str, est: StepEstimate, measured: tuple[int, int], step_seconds: float
+) -> dict[str, Any]:
+    """One model's row of ``memest compare --json``."""
+    estimated = (est.first_step.bytes, est.steady_state.bytes)
+    keys = ("first_step", "steady_state")
+    return {
+        "model": spec,
+        "estimated_bytes": dict(zip(keys, estimated, strict=True)),
+        "measured_bytes": dict(zip(keys, measured, strict=True)),
+        "error_percent": {k: _error_percent(e, m) for k, e, m in zip(keys, estimated, measured, strict=True)},
+        "estimate_seconds": round(est.estimate_seconds, 4),
+        "step_seconds": round(step_seconds, 4),
+    }
+
+
+def _compare(args: argparse.Namespace, out: TextIO) -> None:
+    inputs = _input_spec(args)
+    kwargs = _model_kwargs(args.model_kwargs)
+    # Check every spec before the first (slow) run, so a typo in the last model fails at once.
+    for spec in args.models:
+        resolve_model(spec)
+    rows: list[dict[str, Any]] = []
+    n = len(args.models)
+    for i, spec in enumerate(args.models, 1):
+        try:
+            print(f"{PROG}: [{i}/{n}] estimating {spec}", file=sys.stderr, flush=True)
+            # A fresh, identically seeded model for each run: measuring trains the model in place.
+            est = estimate_case(_build(spec, args, inputs, kwargs), device=args.device)
+            print(f"{PROG}: [{i}/{n}] measuring {spec}", file=sys.stderr, flush=True)
+            m = measure_case(_build(spec, args, inputs, kwargs), device=args.device)
+        except MemestError as e:
+            raise MemestError(f"{spec}: {e}") from e
+        rows.append(compare_row(spec, est, (m.first_step, m.steady_state), m.step_seconds))
+    if args.json:
+        print(json.dumps(rows), file=out)
+        return
+    print(f"compare ({_settings(args, inputs)})", file=out)
+    header = f"{'model':<36}{'peak':<14}{'estimated':>12}{'measured':>12}{'error':>10}{'estimate s':>12}"
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for row in rows:
+        for key, label in (("first_step", "step 1"), ("steady_state", "steady")):
+            first = key == "first_step"
+            err = row["error_percent"][key]
+            err_text = "n/a" if err is None else f"{err:+.2f} %"
+            seconds = f"{row['estimate_seconds']:.2f}" if first else ""
+            estimated, measured = row["estimated_bytes"][key], row["measured_bytes"][key]
+            line = (
+                f"{row['model'] if first else '':<36}{label:<14}{format_bytes(estimated):>12}"
+                f"{format_bytes(measured):>12}{err_text:>10}{seconds:>12}"
+            )
+            print(line.rstrip(), file=out)
+
+
+_COMMANDS = {"estimate": _estimate, "measure": _measure, "compare": _compare}
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``memest`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
+
+    Example:
+        >>> main(["measure", "torch.nn:Linear", "--model-kwargs", '{"in_features": 8, "out_features": 4}',
+        ...       "--input-shape", "8", "--json"])  # doctest: +ELLIPSIS
+        {"peak_bytes": {"first_step": ..., "steady_state": ...}, "reserved_bytes": null, "step_seconds": ...}
+        0
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help exits 0, usage errors 2; return rather than exit when called in-process
+        return e.code if isinstance(e.code, int) else 2
+    # `memest estimate mymodel:Net` run from a project directory should find mymodel.py there, as
+    # `python -m` would; the console script's sys.path does not hold the current directory.
+    # Kineto (the profiler `measure` uses on CPU) writes profiler_start/stop lines, and on machines
+    # without a GPU a "gpuGetDeviceCount failed" line, to stderr on every run; stderr is kept for
+    # errors and progress. It reads the variable when the profiler starts; a user's own setting wins.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        _COMMANDS[args.command](args, sys.stdout)
+    except MemestError as e:
+        if os.environ.get("MEMEST_DEBUG"):
+            raise
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get("MEMEST_DEBUG"):
+            raise
+        print(
+            f"{PROG}: error: unexpected {type(e).__name__}: {_one_line(e)}"
+            " (set MEMEST_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        # Called in-process (tests, scripts), leave the import path as it was.
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,465 @@
+"""Cases to estimate and measure, built from plain settings: a model spec, an input, a loss, an optimizer.
+
+This is what ``memest`` does with its flags, kept apart from argument parsing so that benchmarks build
+exactly the same cases as the command line:
+
+* a **model spec** ``package.module:name`` names an ``nn.Module`` class or a factory
+  (:func:`build_model`); factories that take ``weights`` (torchvision's) get ``weights=None`` unless
+  the caller passes one, so nothing is downloaded;
+* an :class:`InputSpec` makes the batch: ``torch.randn(B, *shape)`` or ``torch.randint(0, V, (B, SEQ))``;
+* the loss is ``cross_entropy`` against a random integer target, or ``sum`` of the output;
+* the optimizer is ``sgd`` (lr 0.01, momentum 0.9), ``adam`` / ``adamw`` (lr 1e-3) or ``none``.
+
+:func:`build_case` puts them together into a :class:`Case`; :func:`estimate_case` and
+:func:`measure_case` run the estimator and the ground truth on it.
+
+Example:
+    >>> from lightning_memest.models import InputSpec, build_case, measure_case
+    >>> case = build_case("torch.nn:Linear", InputSpec(batch_size=4, shape=(8,)),
+    ...                   model_kwargs={"in_features": 8, "out_features": 3}, optimizer="sgd")
+    >>> [tuple(t.shape) for t in case.batch]  # the input, and the cross-entropy target
+    [(4, 8), (4,)]
+    >>> measure_case(case).first_step > 0
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import inspect
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_memest.engine.step import (
+    LossFn,
+    OptimizerFactory,
+    Precision,
+    StepConfig,
+    check_precision,
+    first_output,
+    sum_loss,
+    true_dtype,
+)
+from lightning_memest.errors import MemestError
+
+if TYPE_CHECKING:
+    from lightning_memest.measure import Measurement
+    from lightning_memest.report import StepEstimate
+
+__all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "DEFAULT_LOSS",
+    "DEFAULT_OPTIMIZER",
+    "LOSSES",
+    "OPTIMIZERS",
+    "Case",
+    "InputSpec",
+    "SpecError",
+    "build_case",
+    "build_model",
+    "cross_entropy_loss",
+    "estimate_case",
+    "make_optimizer",
+    "measure_case",
+    "resolve_model",
+]
+
+LossName = Literal["cross_entropy", "sum"]
+OptimizerName = Literal["sgd", "adam", "adamw", "none"]
+LOSSES: tuple[str, ...] = get_args(LossName)
+OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
+
+#: Small enough to estimate and measure most vision models on a laptop CPU in seconds.
+DEFAULT_BATCH_SIZE = 8
+DEFAULT_LOSS: LossName = "cross_entropy"
+#: Adam, because it is what most training runs use and because its state (two buffers per parameter,
+#: created inside the first ``step()``) is what makes the first step differ from the steady state.
+DEFAULT_OPTIMIZER: OptimizerName = "adam"
+
+
+class SpecError(MemestError):
+    """A setting that cannot make a case: an unknown model, a bad shape, an input the model rejects."""
+
+
+# --------------------------------------------------------------------------------------------- models
+
+
+def resolve_model(spec: str) -> Callable[..., Any]:
+    """The class or factory that ``spec`` (``package.module:name``) names; the module is imported.
+
+    ``name`` may be dotted (``module:Outer.factory``).
+
+    >>> resolve_model("torch.nn:Linear")
+    <class 'torch.nn.modules.linear.Linear'>
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise SpecError(f"model {spec!r} is not of the form package.module:name")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        # ModuleNotFoundError for the named module itself; any other ImportError came from inside it.
+        raise SpecError(f"cannot import module {module_name!r} of model {spec!r}: {e}") from e
+    except Exception as e:  # an import runs arbitrary code; its failure is the user's module's, not ours
+        raise SpecError(f"importing module {module_name!r} failed: {type(e).__name__}: {e}") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise SpecError(f"module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, nn.Module):
+        raise SpecError(
+            f"{spec!r} is a module instance; name its class or a factory, so that a fresh model can be built"
+        )
+    if not callable(obj):
+        raise SpecError(f"{spec!r} is not an nn.Module class or a factory (it is a {type(obj).__name__!r})")
+    return obj  # type: ignore[no-any-return]
+
+
+def _accepts_weights(factory: Callable[..., Any]) -> bool:
+    try:
+        return "weights" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # builtins and some C extensions have no signature
+        return False
+
+
+def build_model(spec: str, kwargs: Mapping[str, Any] | None = None) -> nn.Module:
+    """A new model from ``spec``, called with ``kwargs`` (plus ``weights=None`` where it takes weights).
+
+    Example:
+        >>> model = build_model("torchvision.models:resnet18")  # random weights, nothing downloaded
+        >>> type(model).__name__
+        'ResNet'
+    """
+    factory = resolve_model(spec)
+    call_kwargs = dict(kwargs or {})
+    # torchvision factories default to weights=None today, but a factory may default to pretrained
+    # weights (a download); the estimate never needs trained values, so ask for none explicitly.
+    if "weights" not in call_kwargs and _accepts_weights(factory):
+        call_kwargs["weights"] = None
+    try:
+        model = factory(**call_kwargs)
+    except Exception as e:
+        raise SpecError(f"building {spec!r} failed: {type(e).__name__}: {e}") from e
+    if not isinstance(model, nn.Module):
+        raise SpecError(f"{spec!r} did not build an nn.Module (it returned a {type(model).__name__!r})")
+    return model
+
+
+# --------------------------------------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """The model's input: floats ``(batch_size, *shape)``, or ids ``(batch_size, tokens)`` below ``vocab``.
+
+    >>> InputSpec(batch_size=2, shape=(3, 4, 4)).make().shape
+    torch.Size([2, 3, 4, 4])
+    >>> InputSpec(batch_size=2, tokens=5, vocab=100).make().dtype
+    torch.int64
+    """
+
+    batch_size: int = DEFAULT_BATCH_SIZE
+    shape: tuple[int, ...] | None = None
+    tokens: int | None = None
+    vocab: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise SpecError(f"the batch size must be at least 1; got {self.batch_size}")
+        if (self.shape is None) == (self.tokens is None):
+            raise SpecError("give exactly one input: a shape, or a sequence length and a vocabulary")
+        if self.shape is not None and (not self.shape or any(d < 1 for d in self.shape)):
+            raise SpecError(f"the input shape must be positive sizes; got {self.shape}")
+        if self.tokens is not None:
+            if self.tokens < 1:
+                raise SpecError(f"the sequence length must be at least 1; got {self.tokens}")
+            if self.vocab is None or self.vocab < 1:
+                raise SpecError(f"token inputs need a vocabulary size of at least 1; got {self.vocab}")
+        elif self.vocab is not None:
+            raise SpecError("a vocabulary size only goes with token inputs")
+
+    def make(self) -> Tensor:
+        """A new random input (from the current torch RNG)."""
+        if self.shape is not None:
+            return torch.randn(self.batch_size, *self.shape)
+        assert self.tokens is not None and self.vocab is not None  # __post_init__ checked it
+        return torch.randint(0, self.vocab, (self.batch_size, self.tokens))
+
+    def describe(self) -> str:
+        """``'batch 8 x 3x224x224'`` or ``'batch 8 x 128 tokens < 50257'``."""
+        if self.shape is not None:
+            return f"batch {self.batch_size} x {'x'.join(map(str, self.shape))}"
+        return f"batch {self.batch_size} x {self.tokens} tokens < {self.vocab}"
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``'3,224,224'`` -> ``(3, 224, 224)``.
+
+    >>> parse_shape("3, 32,32")
+    (3, 32, 32)
+    """
+    try:
+        shape = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise SpecError(
+            f"the input shape must be comma-separated sizes such as 3,224,224; got {text!r}"
+        ) from None
+    if any(d < 1 for d in shape):
+        raise SpecError(f"the input shape must be positive sizes; got {text!r}")
+    return shape
+
+
+# ----------------------------------------------------------------------------------- loss, optimizer
+
+
+def cross_entropy_loss(model: nn.Module, batch: Any) -> Tensor:
+    """Cross entropy of the model's output on ``batch[0]`` against the class ids ``batch[1]``.
+
+    The last output dimension holds the classes; any dimensions before it (batch, sequence) are
+    flattened, so one function serves classifiers ``(B, C)`` and language models ``(B, SEQ, V)``.
+    """
+    x, target = batch
+    out = first_output(model(x))
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def make_optimizer(name: str) -> OptimizerFactory | None:
+    """The optimizer factory for ``name`` (``None`` for ``'none'``).
+
+    >>> opt = make_optimizer("sgd")([torch.nn.Parameter(torch.zeros(2))])
+    >>> opt.defaults["lr"], opt.defaults["momentum"]
+    (0.01, 0.9)
+    """
+    if name == "sgd":
+        return functools.partial(torch.optim.SGD, lr=0.01, momentum=0.9)
+    if name == "adam":
+        return functools.partial(torch.optim.Adam, lr=1e-3)
+    if name == "adamw":
+        return functools.partial(torch.optim.AdamW, lr=1e-3)
+    if name == "none":
+        return None
+    raise SpecError(f"the optimizer must be one of {', '.join(OPTIMIZERS)}; got {name!r}")
+
+
+# ------------------------------------------------------------------------------------ output shapes
+
+
+@contextlib.contextmanager
+def _restored(model: nn.Module) -> Iterator[None]:
+    """Undo what a forward does to ``model``: attributes it sets (caches) and buffers it updates."""
+    saved = []
+    for module in model.modules():
+        state = {
+            key: dict(value) if key in ("_parameters", "_buffers", "_modules") else value
+            for key, value in vars(module).items()
+        }
+        saved.append((module, state))
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, copy in buffers:
+                b.copy_(copy)
+        for module, state in saved:
+            attrs = vars(module)
+            for key in [k for k in attrs if k not in state]:
+                del attrs[key]
+            for key, value in state.items():
+                if isinstance(value, dict) and key in ("_parameters", "_buffers", "_modules"):
+                    attrs[key].clear()
+                    attrs[key].update(value)
+                else:
+                    attrs[key] = value
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    logger = logging.getLogger(name)
+    disabled = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
+
+
+def _fake_forward_shape(model: nn.Module, x: Tensor) -> torch.Size:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # FakeTensorMode logs a traceback when a meta kernel rejects its inputs; here that is an answer
+    # (the input does not fit), which output_shape reports in one line of its own.
+    quiet = _quiet_logger("torch._subclasses.fake_tensor")
+    # allow_non_fake_inputs: the real parameters are converted on first use; nothing real is computed.
+    with quiet, _restored(model), torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        return first_output(model(mode.from_tensor(x))).shape
+
+
+def _real_forward_shape(model: nn.Module, x: Tensor) -> torch.Size:
+    # Two rows rather than one: batch-norm in training mode rejects a single value per channel.
+    rows = min(x.shape[0], 2)
+    with _restored(model), torch.no_grad():
+        shape = first_output(model(x[:rows])).shape
+    return torch.Size((x.shape[0], *shape[1:]))
+
+
+def output_shape(model: nn.Module, x: Tensor) -> torch.Size:
+    """The shape of the model's (first) output on ``x``, leaving the model as it was.
+
+    The forward runs on fake tensors, so it costs no real compute or memory. Where that fails (a
+    forward that reads tensor values, such as ``.item()`` or a mask check, which fake tensors cannot
+    answer), it runs for real on the first two rows of ``x`` under ``no_grad`` and the batch size is
+    put back; buffers and attributes the forward changed are restored either way. An input the model
+    rejects raises :class:`SpecError` with the model's own message.
+
+    >>> output_shape(torch.nn.Linear(8, 3), torch.randn(5, 8))
+    torch.Size([5, 3])
+    """
+    try:
+        return _fake_forward_shape(model, x)
+    except Exception as fake_error:
+        try:
+            return _real_forward_shape(model, x)
+        except Exception as e:
+            message = " ".join(str(e).split()) or type(e).__name__
+            rows = f" (tried for real on its first {min(x.shape[0], 2)} rows)" if x.shape[0] > 2 else ""
+            raise SpecError(
+                f"the model rejected an input of shape {tuple(x.shape)}{rows}: {message}"
+            ) from fake_error
+
+
+# ---------------------------------------------------------------------------------------------- cases
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model, a batch and a step configuration, ready for :func:`estimate_case` / :func:`measure_case`.
+
+    ``batch`` is the input tensor (``sum`` loss) or ``(input, target)`` (``cross_entropy``): the target
+    is made before the first step, so it is part of what is resident, in the estimate and the
+    measurement alike. The model is on the CPU, in float32; the ``*-true`` conversion and the move to a
+    device happen in :func:`estimate_case` / :func:`measure_case`.
+    """
+
+    spec: str
+    model: nn.Module
+    batch: Any
+    config: StepConfig
+    input: InputSpec
+
+
+def build_case(
+    spec: str,
+    input: InputSpec,
+    *,
+    model_kwargs: Mapping[str, Any] | None = None,
+    loss: str = DEFAULT_LOSS,
+    optimizer: str = DEFAULT_OPTIMIZER,
+    precision: str = "32-true",
+    seed: int = 0,
+) -> Case:
+    """Build the model and the batch of one case, seeded so that every build gives the same values.
+
+    Raises :class:`SpecError` for anything the settings cannot make (unknown model, bad loss or
+    optimizer name, an input the model rejects, an output cross entropy cannot use).
+
+    Example:
+        >>> case = build_case("torch.nn:Embedding", InputSpec(batch_size=2, tokens=6, vocab=50),
+        ...                   model_kwargs={"num_embeddings": 50, "embedding_dim": 50})
+        >>> case.batch[1].shape  # one class id per token
+        torch.Size([2, 6])
+    """
+    try:
+        prec: Precision = check_precision(precision)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+    if loss not in LOSSES:
+        raise SpecError(f"the loss must be one of {', '.join(LOSSES)}; got {loss!r}")
+    opt = make_optimizer(optimizer)
+    torch.manual_seed(seed)
+    model = build_model(spec, model_kwargs)
+    model.train()
+    x = input.make()
+    # Always probe: it turns an input the model rejects into one clear error before any real run.
+    out_shape = output_shape(model, x)
+    loss_fn: LossFn
+    batch: Any
+    if loss == "cross_entropy":
+        if len(out_shape) < 2:
+            raise SpecError(
+                f"cross_entropy needs an output with a class dimension last; {spec!r} returns shape "
+                f"{tuple(out_shape)} (use --loss sum)"
+            )
+        target = torch.randint(0, out_shape[-1], tuple(out_shape[:-1]))
+        batch, loss_fn = (x, target), cross_entropy_loss
+    else:
+        batch, loss_fn = x, sum_loss
+    return Case(spec, model, batch, StepConfig(loss_fn=loss_fn, optimizer=opt, precision=prec), input)
+
+
+def _convert_batch(batch: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    if isinstance(batch, Tensor):
+        if dtype is not None and batch.is_floating_point():
+            batch = batch.to(dtype)
+        return batch.to(device)
+    if isinstance(batch, tuple):
+        return tuple(_convert_batch(b, device, dtype) for b in batch)
+    raise TypeError(f"unexpected batch element {type(batch).__name__}")
+
+
+def estimate_case(case: Case, *, device: str = "cpu", steps: int = 2) -> StepEstimate:
+    """Estimate the case with :func:`~lightning_memest.estimate.estimate_step` (the model is untouched).
+
+    ``estimate_step`` converts for ``*-true`` precisions and places the fake tensors on ``device``
+    itself, so the CPU float32 model and batch go in as they are.
+    """
+    from lightning_memest.estimate import estimate_step
+
+    return estimate_step(
+        case.model,
+        case.batch,
+        loss_fn=case.config.loss_fn,
+        optimizer=case.config.optimizer,
+        precision=case.config.precision,
+        device=device,
+        steps=steps,
+    )
+
+
+def measure_case(case: Case, *, device: str = "cpu", steps: int = 2) -> Measurement:
+    """Run and measure real training steps of the case; **trains ``case.model`` in place**.
+
+    For ``*-true`` precisions the model and the float inputs are converted first (``measure_step``
+    expects that of its caller); for ``cuda`` they are moved to the current CUDA device.
+    """
+    from lightning_memest.measure import measure_step
+
+    target = torch.device(device)
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise SpecError("cannot measure on cuda: CUDA is not available on this machine")
+    if target.type not in ("cpu", "cuda"):
+        raise SpecError(f"the device must be cpu or cuda; got {device!r}")
+    dtype = true_dtype(case.config.precision)
+    model = case.model
+    if dtype is not None:
+        model = model.to(dtype)
+    model = model.to(target)
+    batch = _convert_batch(case.batch, target, dtype)
+    try:
+        return measure_step(model, batch, case.config, steps=steps)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:
+        # The real step runs the user's model on real values, which can fail where the shapes fitted
+        # (token ids beyond an embedding's size, say): a problem of the case, not of the measurement.
+        message = " ".join(str(e).split()) or type(e).__name__
+        raise SpecError(f"the real training step failed: {type(e).__name__}: {message}") from e

@@ -1,0 +1,72 @@
+"""Small models for the CLI tests, named on the command line as ``cli_models:NAME``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class TinyMLP(nn.Module):
+    """Takes ``(N, 16)`` (or anything that flattens to 16 features); returns ``(N, classes)``."""
+
+    def __init__(self, hidden: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(16, hidden), nn.ReLU(), nn.Linear(hidden, classes))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+
+class TinyConvNet(nn.Module):
+    """Takes ``(N, 3, H, W)``; returns a dict with ``logits`` ``(N, 10)`` (exercises ``first_output``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(2)
+        )
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        return {"logits": self.head(self.features(x).flatten(1))}
+
+
+class TinyLM(nn.Module):
+    """Token ids ``(N, SEQ)`` below ``vocab`` -> logits ``(N, SEQ, vocab)``."""
+
+    def __init__(self, vocab: int = 50, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.out = nn.Linear(dim, vocab)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.out(torch.relu(self.embed(ids)))  # type: ignore[no-any-return]
+
+
+class CachingMLP(TinyMLP):
+    """Sets a tensor attribute on its first forward, as positional-encoding caches do."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if getattr(self, "cache", None) is None:
+            self.cache = torch.ones(16)
+        return super().forward(x * self.cache)
+
+
+def make_mlp(hidden: int = 64) -> TinyMLP:
+    """A factory, called with ``--model-kwargs``."""
+    return TinyMLP(hidden=hidden)
+
+
+def not_a_model() -> int:
+    return 3
+
+
+NOT_CALLABLE = 3
+AN_INSTANCE = TinyMLP()
+
+
+def pretrained_by_default(weights: str | None = "DEFAULT") -> TinyMLP:
+    """A factory that would download weights unless told ``weights=None`` (as torchvision's may)."""
+    if weights is not None:
+        raise RuntimeError(f"would download {weights} weights")
+    return TinyMLP()
