@@ -179,7 +179,8 @@ def main() -> None:
         big = seven_b()
         print(
             f"\n7B transformer on the meta device ({big['params'] / 1e9:.2f} B parameters, AdamW, "
-            f"bf16-mixed, 1 x 2048 tokens): estimated in {big['seconds']:.1f} s, peak {gib(max(big['peak_bytes']))}, "
+            f"bf16-mixed, 1 x 2048 tokens): estimated in {big['seconds']:.1f} s, "
+            f"peak {gib(max(big['peak_bytes']))}, "
             f"process resident-memory growth {gib(big['rss_growth'])}"
         )
     if args.json:
