@@ -279,3 +279,36 @@ def test_mixed_precision_runs_under_autocast(precision: str) -> None:
     assert relu.saved_bytes == 32 * 64 * 2
     assert {m.path: m for m in full.modules.walk()}["1"].saved_bytes == 32 * 64 * 4
     assert math.isclose(mixed.first_step.breakdown.parameters, full.first_step.breakdown.parameters)
+
+
+def test_activation_checkpointing_matches_the_real_step() -> None:
+    # Hooks on tensors (register_multi_grad_hook) kept checkpointed blocks' inputs alive: +1.1 %.
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_memest.engine.step import StepConfig
+    from lightning_memest.measure import measure_step
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.f = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return x + self.f(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block() for _ in range(4)])
+
+        def forward(self, x: Tensor) -> Tensor:
+            for block in self.blocks:
+                x = checkpoint(block, x, use_reentrant=False)
+            return x
+
+    torch.manual_seed(0)
+    model, batch = Net(), torch.randn(256, 128)
+    est = estimate_step(model, batch, optimizer=torch.optim.AdamW)
+    real = measure_step(copy.deepcopy(model), batch, StepConfig(optimizer=torch.optim.AdamW))
+    for peak, truth in zip(est.peaks, real.peak_bytes, strict=True):
+        assert abs(peak.bytes - truth) <= 64, (peak.bytes, truth)  # a few scalar tensors at most

@@ -267,27 +267,35 @@ def _device_type(args: tuple[Any, ...], outputs: list[Tensor]) -> str:
 
 @contextmanager
 def module_scopes(model: nn.Module, tracker: Tracker) -> Iterator[None]:
-    """Tell the tracker which module runs, in forward (module hooks) and in backward (grad hooks on
-    the module's outputs mark its start, on its inputs its end -- the way ``ModTracker`` does)."""
-    handles: list[torch.utils.hooks.RemovableHandle] = []
-    register = torch.autograd.graph.register_multi_grad_hook
+    """Tell the tracker which module runs, in forward (module hooks) and in backward.
 
-    def grad_tensors(values: Any) -> list[Tensor]:
-        return [t for t in tree_leaves(values) if isinstance(t, Tensor) and t.requires_grad]
+    A module's backward starts when the autograd node that made its output runs, and ends when the
+    nodes that made its inputs run: pre-hooks on those *nodes* say so. (Hooks on the tensors, as
+    ``register_multi_grad_hook`` places them, keep memory alive that the real run frees -- the saved
+    inputs of activation-checkpointed blocks -- and would make the estimate wrong.)
+    """
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def nodes(values: Any) -> list[torch.autograd.graph.Node]:
+        found: dict[int, torch.autograd.graph.Node] = {}
+        for t in tree_leaves(values):
+            if isinstance(t, Tensor) and t.grad_fn is not None:
+                found.setdefault(id(t.grad_fn), t.grad_fn)
+        return list(found.values())
 
     for path, module in model.named_modules():
 
         def pre_hook(_: nn.Module, args: Any, kwargs: Any, path: str = path) -> None:
             tracker.enter_module(path, backward=False)
-            inputs = grad_tensors((args, kwargs))
-            if inputs and torch.is_grad_enabled():
-                register(inputs, lambda _: tracker.exit_module(path, backward=True), mode="all")
+            if torch.is_grad_enabled():
+                for node in nodes((args, kwargs)):
+                    node.register_prehook(lambda _, path=path: tracker.exit_module(path, backward=True))
 
         def post_hook(_: nn.Module, args: Any, kwargs: Any, output: Any, path: str = path) -> None:
             tracker.exit_module(path, backward=False)
-            outputs = grad_tensors(output)
-            if outputs and torch.is_grad_enabled():
-                register(outputs, lambda _: tracker.enter_module(path, backward=True), mode="any")
+            if torch.is_grad_enabled():
+                for node in nodes(output):
+                    node.register_prehook(lambda _, path=path: tracker.enter_module(path, backward=True))
 
         handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
         handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
