@@ -311,4 +311,4 @@ def test_activation_checkpointing_matches_the_real_step() -> None:
     est = estimate_step(model, batch, optimizer=torch.optim.AdamW)
     real = measure_step(copy.deepcopy(model), batch, StepConfig(optimizer=torch.optim.AdamW))
     for peak, truth in zip(est.peaks, real.peak_bytes, strict=True):
-        assert abs(peak.bytes - truth) <= 64, (peak.bytes, truth)  # a few scalar tensors at most
+        assert abs(peak.bytes - truth) / truth < 0.001, (peak.bytes, truth)
