@@ -91,6 +91,18 @@ def autocast_dtype(precision: str) -> torch.dtype | None:
     return {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(precision)
 
 
+def autocast(device_type: str, precision: str) -> contextlib.AbstractContextManager[object]:
+    """The forward context of a precision: autocast for ``*-mixed``, nothing otherwise.
+
+    ``cache_enabled=False`` as in Lightning's ``MixedPrecision`` plugin: with the cache, the casts of
+    the weights would stay alive until the context ends, which changes the peak.
+    """
+    dtype = autocast_dtype(precision)
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype, cache_enabled=False)
+
+
 def true_dtype(precision: str) -> torch.dtype | None:
     """The dtype a ``*-true`` precision converts parameters and float inputs to (``None`` for 32-true)."""
     return {"16-true": torch.float16, "bf16-true": torch.bfloat16}.get(precision)
@@ -143,10 +155,8 @@ class StepRunner:
 
     def run(self, batch: Any) -> Tensor:
         """One step; returns the (detached) loss."""
-        dtype = autocast_dtype(self.config.precision)
         self._phase(Phase.FORWARD)
-        ctx = torch.autocast(self.device_type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
-        with ctx:
+        with autocast(self.device_type, self.config.precision):
             loss = self.config.loss_fn(self.model, batch)
         if not isinstance(loss, Tensor):
             raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
