@@ -250,7 +250,7 @@ def _convolution_backward(call: OpCall) -> KernelMemory | None:
     s = x.itemsize
     depthwise = groups > 1 and icg == 1 and oc == groups
     if x.is_channels_last() or w.is_channels_last():
-        return _convolution_backward_channels_last(go, x, w, mask, depthwise)
+        return _convolution_backward_channels_last(go, x, w, mask, depthwise, stride)
     # NCHW backend: a channels-last grad_output (a channels-last layer after this one) is made contiguous.
     go_copy = 0 if go.is_contiguous() else go.bytes
     if depthwise:
@@ -274,7 +274,9 @@ def _convolution_backward(call: OpCall) -> KernelMemory | None:
     return KernelMemory(go_copy + max(0, max(held) - (gi + gw + gb)))
 
 
-def _bf16_weights_scratch(x: TensorMeta, w: TensorMeta, go: TensorMeta, stride: tuple[int, ...]) -> int:
+def _bf16_weights_scratch(
+    x: TensorMeta, w: TensorMeta, go: TensorMeta, stride: tuple[int, ...], split_mb: bool | None = None
+) -> int:
     # oneDNN bfloat16 backward-weights (emulated on AVX-512 without native bf16) writes diff weights
     # directly into grad_weight but holds a scratchpad of: a float32 diff-weights accumulator, the source
     # transposed per image with tr_iw = rnd_up(ceil(iw / stride) + kw - 1, 2) * stride columns, and the
@@ -289,7 +291,9 @@ def _bf16_weights_scratch(x: TensorMeta, w: TensorMeta, go: TensorMeta, stride: 
     tr_iw = _rnd(-(-wd // sw) + kw - 1, 2) * sw
     per_copy = w.numel * 4 + c * h * tr_iw * 2 + oc * oh * _rnd(ow, 2) * 2
     nthr = _threads()
-    if c <= 128 and n >= nthr:
+    if split_mb is None:
+        split_mb = c <= 128 and n >= nthr  # right on 8 of 9 measured shapes (64->128 3x3 s2 at 56x56 is not)
+    if split_mb and nthr > 1:
         return nthr * per_copy + 8580
     return per_copy + nthr * 8192 + 388
 
@@ -302,7 +306,7 @@ def _cl_contiguous(t: TensorMeta) -> bool:
 
 
 def _convolution_backward_channels_last(
-    go: TensorMeta, x: TensorMeta, w: TensorMeta, mask: Sequence[bool], depthwise: bool
+    go: TensorMeta, x: TensorMeta, w: TensorMeta, mask: Sequence[bool], depthwise: bool, stride: Any
 ) -> KernelMemory | None:
     # Convolution.cpp convolution_backward with the mkldnn backend in channels-last (input or weight
     # channels-last): grad_output, input and weight are made channels-last-contiguous (copies when they are
@@ -313,12 +317,30 @@ def _convolution_backward_channels_last(
     #   depthwise kh*kw >= 16 (convnext's 7x7): the grad-weight phase holds 257 w (+ bias bytes) whatever
     #   the batch, map size, stride or thread count; kh*kw < 16 (3x3): 2 w (+ bias bytes).
     # Open: dense 2x2 stride-2 convs on 56x56 maps add a thread-dependent 35 KB (1 thread) to 650 KB
-    # (2 threads); bfloat16 differs (see KERNELS.md).
+    # (2 threads). bfloat16 is different (below).
+    oc = w.shape[0]
+    kh, kw = w.shape[2], w.shape[3]
+    kk = kh * kw
+    copies = (0 if _cl_contiguous(go) else go.bytes) + (0 if _cl_contiguous(x) else x.bytes)
+    if x.dtype == torch.bfloat16 and depthwise and kh == kw >= 4 and mask[1]:
+        # bfloat16 depthwise (convnext under bf16-mixed), measured on kernels 5/7/9, maps 1-56, C 16-768,
+        # N 2-4, 1 and 2 threads: C x (1590 k^2 - 672 k + 2024 + 64 H (rnd2(W) + 2)) + 8,584 -- again
+        # independent of the batch and the thread count (61.2 MB at C=768 on 7x7 maps). Fitted, not derived:
+        # exact at k=5 and 7, 14 KB (0.3 %) off at k=9 on 14x14 maps.
+        h, wd = x.shape[2], x.shape[3]
+        per_c = 1590 * kh * kh - 672 * kh + 2024 + 64 * h * (_rnd(wd, 2) + 2)
+        return KernelMemory(copies + oc * per_c + 8584)
+    if x.dtype == torch.bfloat16 and not depthwise and mask[1]:
+        # bfloat16 dense (convnext's 2x2 stride-2 downsampling under bf16-mixed): the weight copy, then the
+        # same kind of scratchpad as NCHW (float32 diff weights + transposed source and grad_output),
+        # counted once (oneDNN splitting the channel blocks): exact to 46 KB for 384->768 at 14x14, but
+        # 1.7 MB under for 192->384 at 28x28, where oneDNN splits the minibatch instead (a lower bound).
+        w_copy = 0 if _cl_contiguous(w) else w.bytes
+        return KernelMemory(
+            copies + w_copy + _bf16_weights_scratch(x, w, go, _ints(stride, 2), split_mb=False)
+        )
     if x.dtype != torch.float32:
         return None
-    oc = w.shape[0]
-    kk = w.shape[2] * w.shape[3]
-    copies = (0 if _cl_contiguous(go) else go.bytes) + (0 if _cl_contiguous(x) else x.bytes)
     wb, bias = w.bytes, oc * x.itemsize if mask[2] else 0
     held = [0]
     if depthwise:
