@@ -8,6 +8,7 @@ Example:
     33288
 """
 
+from lightning_memest.callback import MemEstimate
 from lightning_memest.errors import EstimationError, MemestError
 from lightning_memest.estimate import estimate_step
 from lightning_memest.report import (
@@ -23,6 +24,7 @@ __all__ = [
     "Breakdown",
     "DataDependentRead",
     "EstimationError",
+    "MemEstimate",
     "MemestError",
     "ModuleStats",
     "Peak",

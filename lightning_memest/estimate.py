@@ -6,13 +6,14 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from torch import nn
 
 from lightning_memest.accounting import kernels
 from lightning_memest.accounting.allocator import ROLE_ORDER, Replay, replay
 from lightning_memest.engine.events import Alloc, DataDependent, Event, OpEvent, Role, Tag
-from lightning_memest.engine.simulate import simulate
+from lightning_memest.engine.simulate import Simulation, simulate
 from lightning_memest.engine.step import (
     LossFn,
     OptimizerFactory,
@@ -21,6 +22,7 @@ from lightning_memest.engine.step import (
     check_precision,
     sum_loss,
 )
+from lightning_memest.lightning_step import lightning_precision, lightning_runner_factory
 from lightning_memest.report import (
     Breakdown,
     DataDependentRead,
@@ -73,10 +75,40 @@ def estimate_step(
     sim = simulate(
         model, batch, StepConfig(loss_fn, optimizer, checked), device=device, steps=steps, capture=_captured
     )
+    return estimate_from(model, sim, checked)
+
+
+def estimate_lightning_step(
+    trainer: pl.Trainer, module: pl.LightningModule, batch: Any, *, steps: int = 2
+) -> StepEstimate:
+    """Estimate training batches of a LightningModule as ``trainer`` would run them.
+
+    Runs the module's own ``training_step`` (automatic or manual optimization),
+    ``configure_optimizers``, the trainer's precision, gradient accumulation and clipping, on fake
+    tensors of the device the trainer trains on (see ``lightning_memest.lightning_step``). The
+    module must be attached to ``trainer`` (as it is from ``setup`` on). ``batch`` is a batch as the
+    train dataloader yields it.
+    """
+    precision = lightning_precision(trainer)
+    sim = simulate(
+        module,
+        batch,
+        lightning_runner_factory(trainer),
+        device=trainer.strategy.root_device,
+        steps=steps,
+        capture=_captured,
+        precision=precision,
+    )
+    return estimate_from(module, sim, precision)
+
+
+def estimate_from(model: nn.Module, sim: Simulation, precision: str) -> StepEstimate:
+    """Account for a simulation's events and build the report."""
+    steps = sim.steps
     result = replay(sim.events, steps, kernels.kernel_memory)
     return StepEstimate(
         device=str(sim.device),
-        precision=checked,
+        precision=precision,
         peaks=_peaks(result),
         modules=_module_tree(model, sim.events, result),
         timeline=tuple(

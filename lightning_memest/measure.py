@@ -233,3 +233,52 @@ def _measure_cuda(runner: StepRunner, batch: Any, steps: int, device: torch.devi
 def _mean_seconds(seconds: list[float]) -> float:
     timed = seconds[1:] if len(seconds) > 1 else seconds
     return sum(timed) / len(timed)
+
+
+class StepProbe:
+    """Measures one training step from inside a training loop: ``start()`` before it, ``stop()`` after.
+
+    Used by the ``MemEstimate`` callback around real batches. On CPU a profiler with
+    ``profile_memory`` runs for that step alone; the peak is the bytes resident at ``start`` (the
+    tensors it is given, each storage once) plus the largest running sum of the allocator's events.
+    On CUDA the peak statistics are reset at ``start`` and read at ``stop``.
+
+    Example:
+        >>> import torch
+        >>> probe = StepProbe(torch.device("cpu"))
+        >>> x = torch.ones(1024)
+        >>> probe.start([x])
+        >>> y = x.clone()  # 4 KiB more
+        >>> probe.stop()
+        (8192, None)
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._baseline = 0
+        self._profiler: profile | None = None
+
+    def start(self, resident: Iterable[Tensor]) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        self._baseline = resident_bytes(resident)
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profiler.__enter__()  # type: ignore[no-untyped-call]
+
+    def stop(self) -> tuple[int, int | None]:
+        """The step's peak bytes, and on CUDA its peak reserved bytes."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
+        profiler, self._profiler = self._profiler, None
+        if profiler is None:
+            raise RuntimeError("StepProbe.stop() without start()")
+        profiler.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        events: Any = profiler.profiler.kineto_results.events()  # type: ignore[union-attr]
+        held = peak = 0
+        for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+            held += nbytes
+            peak = max(peak, held)
+        return self._baseline + peak, None

@@ -113,6 +113,9 @@ class OpEvent:
     """The full call, only for ops some accounting registry asked for (kept small otherwise)."""
     outputs: tuple[int, ...] | None
     """Storage handles of the flattened tensor outputs, in order, when ``call`` is recorded."""
+    numel: int = 0
+    """Elements of the op's first tensor output (0 when it returns none); recorded for every op, so that
+    per-element work (pointwise FLOPs) is known without capturing the call."""
 
 
 @dataclass(frozen=True, slots=True)

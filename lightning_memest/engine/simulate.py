@@ -7,10 +7,10 @@ batch-size search) turn the stream into numbers.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_memest.engine.events import Event, OpEvent, Role
 from lightning_memest.engine.fake import FakeConverter, fake_module, resident_tensors
-from lightning_memest.engine.step import StepConfig, StepRunner, true_dtype
+from lightning_memest.engine.step import StepConfig, StepListener, StepRunner, true_dtype
 from lightning_memest.engine.tracker import (
     CaptureFilter,
     Tracker,
@@ -27,6 +27,16 @@ from lightning_memest.engine.tracker import (
     saved_tensor_tags,
 )
 from lightning_memest.errors import EstimationError
+
+
+class Runner(Protocol):
+    """Runs one training step (batch) each call: ``StepRunner`` or ``LightningRunner``."""
+
+    def run(self, batch: Any) -> object: ...
+
+
+#: Builds the runner inside the fake mode (so optimizers are created on the fake parameters).
+RunnerFactory = Callable[[nn.Module, StepListener], Runner]
 
 
 @dataclass(frozen=True)
@@ -43,16 +53,19 @@ class Simulation:
 def simulate(
     model: nn.Module,
     batch: Any,
-    config: StepConfig,
+    config: StepConfig | RunnerFactory,
     *,
     device: str | torch.device | None = None,
     steps: int = 2,
     capture: CaptureFilter | None = None,
+    precision: str = "32-true",
 ) -> Simulation:
     """Run ``steps`` training steps of ``model`` on fake tensors of ``device``; record every event.
 
-    ``model`` is left exactly as it was (see ``engine.fake``), and so is the global RNG state.
-    ``capture`` picks the ops whose full call (argument shapes) is recorded.
+    ``config`` describes the plain step (``StepRunner``), or is a factory of another runner (the
+    Lightning one; ``precision`` then says how to convert the batch and weights -- a ``StepConfig``
+    carries its own). ``model`` is left exactly as it was (see ``engine.fake``), and so is the global RNG
+    state. ``capture`` picks the ops whose full call (argument shapes) is recorded.
 
     Example:
         >>> import torch
@@ -67,7 +80,10 @@ def simulate(
     start = time.perf_counter()
     tracker = Tracker(capture=capture)
     mode = TrackingFakeTensorMode(tracker)
-    converter = FakeConverter(mode, target, true_dtype(config.precision))
+    make_runner = _plain_runner(config) if isinstance(config, StepConfig) else config
+    if isinstance(config, StepConfig):
+        precision = config.precision
+    converter = FakeConverter(mode, target, true_dtype(precision))
     with ExitStack() as stack:
         stack.enter_context(_preserved_rng(target))
         stack.enter_context(fake_module(model, converter))
@@ -78,7 +94,7 @@ def simulate(
         stack.enter_context(module_scopes(model, tracker))
         stack.enter_context(saved_tensor_tags(tracker))
         try:
-            runner = StepRunner(model, config, listener=tracker)
+            runner = make_runner(model, tracker)
             for _ in range(steps):
                 runner.run(fake_batch)
         except EstimationError:
@@ -91,6 +107,13 @@ def simulate(
             ) from exc
         del runner
     return Simulation(tracker.events, target, steps, time.perf_counter() - start)
+
+
+def _plain_runner(config: StepConfig) -> RunnerFactory:
+    def make(model: nn.Module, listener: StepListener) -> Runner:
+        return StepRunner(model, config, listener=listener)
+
+    return make
 
 
 def _target_device(model: nn.Module, device: str | torch.device | None) -> torch.device:

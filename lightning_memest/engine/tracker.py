@@ -212,6 +212,7 @@ class Tracker:
                 str(func),
                 call,
                 handles if capture else None,
+                leaves[0].numel() if leaves else 0,
             )
         )
         self.events.extend(allocs)

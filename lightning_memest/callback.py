@@ -1,0 +1,231 @@
+"""``MemEstimate``: the Lightning callback. Estimates on fit start, checks after the first steps.
+
+The callback is thin: each hook reads the trainer's state, calls one function of the layers below,
+and logs one report. Any failure becomes one warning; training goes on unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
+from torch import Tensor
+from torch.utils._pytree import tree_leaves
+from typing_extensions import override
+
+from lightning_memest.estimate import estimate_lightning_step
+from lightning_memest.measure import StepProbe
+from lightning_memest.report import StepEstimate
+from lightning_memest.summary import estimate_columns, footer_items, render_summary
+
+_T = TypeVar("_T")
+
+#: How many real training batches are measured: the first step and the steady state.
+CHECKED_STEPS = 2
+_PEAK_NAMES = ("first_step", "steady_state")
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """The real peak of one training batch, as measured by the callback."""
+
+    step: int
+    peak_bytes: int
+    reserved_bytes: int | None
+    estimated_bytes: int
+
+    @property
+    def error_pct(self) -> float:
+        """``(estimated - measured) / measured``, in percent."""
+        return 100.0 * (self.estimated_bytes - self.peak_bytes) / self.peak_bytes
+
+
+class MemEstimate(ModelSummary):
+    """Estimates the memory of your ``training_step`` before it runs, then checks it against the device.
+
+    On fit start the module's real ``training_step`` (with its ``configure_optimizers``, the
+    trainer's precision, gradient accumulation and clipping) runs on fake tensors for two batches --
+    no real compute, no real memory -- and the model summary shows the estimate. The first two real
+    batches are then measured (CUDA: ``max_memory_allocated``/``max_memory_reserved``; CPU: the
+    allocator's events in ``torch.profiler``), and estimated, measured and the error are logged:
+    ``memest/first_step/{estimated_bytes,measured_bytes,error_pct}`` and the same under
+    ``memest/steady_state/`` (plus ``measured_reserved_bytes`` on CUDA). After that it costs nothing.
+
+    It takes the place of Lightning's ``ModelSummary`` (``max_depth`` and the other arguments mean
+    the same). A failure while estimating or measuring is one warning, never an error.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> from lightning.pytorch.demos.boring_classes import BoringModel
+        >>> from lightning_memest import MemEstimate
+        >>> memest = MemEstimate()
+        >>> trainer = pl.Trainer(callbacks=[memest], max_steps=2, logger=False, enable_checkpointing=False,
+        ...                      enable_progress_bar=False, enable_model_summary=True)
+        >>> trainer.fit(BoringModel())  # doctest: +SKIP
+        >>> memest.measured[-1].error_pct  # doctest: +SKIP
+        0.0
+    """
+
+    def __init__(self, max_depth: int = 1, *, check: bool = True, **summarize_kwargs: Any) -> None:
+        super().__init__(max_depth=max_depth, **summarize_kwargs)
+        self.check = check
+        self.estimate: StepEstimate | None = None
+        """The estimate made on fit start (``None`` before, or if it failed)."""
+        self.measured: list[MeasuredStep] = []
+        """The measured first batches, once they ran."""
+        self._probe: StepProbe | None = None
+        self._warned = False
+
+    # --- fit start: estimate, then the summary ----------------------------------------------------------
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Estimated here rather than in setup: configure_model has run, the precision plugin has
+        # converted the module, and the strategy knows its device.
+        self.estimate = self._safely("estimating", lambda: self._estimate(trainer, pl_module))
+        if self.estimate is not None:
+            self._log_estimate(trainer, self.estimate)
+        if self._max_depth:
+            self._safely("printing the model summary", lambda: self._print_summary(trainer, pl_module))
+
+    def _estimate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> StepEstimate:
+        device = trainer.strategy.root_device
+        # A fresh (shuffling) iterator draws its seed from the global RNG: training must not notice.
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            batch = first_batch(trainer, pl_module)
+        return estimate_lightning_step(trainer, pl_module, batch, steps=CHECKED_STEPS)
+
+    def _print_summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        summary = self._summary(trainer, pl_module)
+        data = summary._get_summary_data()
+        footer: list[tuple[str, str]] = []
+        if self.estimate is not None:
+            data += estimate_columns(data[1][1], self.estimate)
+            footer = footer_items(self.estimate)
+        if trainer.is_global_zero:
+            render_summary(
+                data,
+                summary.total_parameters,
+                summary.trainable_parameters,
+                summary.model_size,
+                summary.total_training_modes,
+                getattr(summary, "total_flops", 0),
+                footer,
+            )
+
+    # --- the first real batches: measure ----------------------------------------------------------------
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if not self.check or self.estimate is None or len(self.measured) >= CHECKED_STEPS:
+            return
+        device = trainer.strategy.root_device
+        if device.type == "cpu":
+            os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop chatter
+        probe = StepProbe(device)
+
+        def start() -> StepProbe:
+            probe.start(_resident_tensors(trainer, pl_module, batch))
+            return probe
+
+        self._probe = self._safely("measuring", start)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        probe, self._probe = self._probe, None
+        if probe is None or self.estimate is None:
+            return
+        result = self._safely("measuring", probe.stop)
+        if result is None:
+            self.check = False
+            return
+        peak, reserved = _max_over_ranks(trainer, result)
+        step = len(self.measured)
+        measured = MeasuredStep(step + 1, peak, reserved, self.estimate.peaks[step].bytes)
+        self.measured.append(measured)
+        self._safely("logging", lambda: self._log_measured(trainer, measured))
+
+    # --- logging -------------------------------------------------------------------------------------------
+    def _log_estimate(self, trainer: pl.Trainer, estimate: StepEstimate) -> None:
+        metrics = {
+            f"memest/{name}/estimated_bytes": float(p.bytes)
+            for name, p in zip(_PEAK_NAMES, estimate.peaks, strict=False)
+        }
+        self._log(trainer, metrics, step=0)
+
+    def _log_measured(self, trainer: pl.Trainer, measured: MeasuredStep) -> None:
+        name = _PEAK_NAMES[measured.step - 1]
+        metrics = {
+            f"memest/{name}/estimated_bytes": float(measured.estimated_bytes),
+            f"memest/{name}/measured_bytes": float(measured.peak_bytes),
+            f"memest/{name}/error_pct": measured.error_pct,
+        }
+        if measured.reserved_bytes is not None:
+            metrics[f"memest/{name}/measured_reserved_bytes"] = float(measured.reserved_bytes)
+        self._log(trainer, metrics, step=measured.step)
+
+    @staticmethod
+    def _log(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    # --- never in the way ----------------------------------------------------------------------------------
+    def _safely(self, what: str, fn: Callable[[], _T]) -> _T | None:
+        try:
+            return fn()
+        except Exception as exc:  # any failure must leave training alone
+            if not self._warned:
+                self._warned = True
+                rank_zero_warn(
+                    f"MemEstimate: {what} failed, training goes on without it: {type(exc).__name__}: {exc}"
+                )
+            return None
+
+
+def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """One batch from a fresh iterator over the train dataloader(s) the trainer will use.
+
+    Falls back to the module's ``example_input_array``. ``on_before_batch_transfer`` is applied, as
+    the fit loop would; ``on_after_batch_transfer`` runs inside the simulation, on fake tensors.
+    """
+    source = trainer.fit_loop._data_source
+    if source.is_defined():
+        loaders = source.dataloader()
+        combined = CombinedLoader(loaders, "max_size_cycle")
+        batch, _, _ = next(iter(combined))
+    elif pl_module.example_input_array is not None:
+        batch = pl_module.example_input_array
+    else:
+        raise ValueError("no train dataloader and no example_input_array to take a batch from")
+    return pl_module.on_before_batch_transfer(batch, 0)
+
+
+def _resident_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[Tensor]:
+    def module_tensors() -> Iterator[Tensor]:
+        for t in (*pl_module.parameters(), *pl_module.buffers()):
+            yield t
+            if t.grad is not None:
+                yield t.grad
+        for optimizer in trainer.optimizers:
+            for state in optimizer.state.values():
+                yield from (v for v in state.values() if isinstance(v, Tensor))
+
+    return [*module_tensors(), *(t for t in tree_leaves(batch) if isinstance(t, Tensor))]
+
+
+def _max_over_ranks(trainer: pl.Trainer, result: tuple[int, int | None]) -> tuple[int, int | None]:
+    """Under DDP every rank measures its own step; the peak that matters is the largest."""
+    if trainer.world_size == 1:
+        return result
+    peak, reserved = result
+    values = torch.tensor([peak, reserved or 0], dtype=torch.float64, device=trainer.strategy.root_device)
+    reduced = trainer.strategy.reduce(values, reduce_op="max")
+    return int(reduced[0].item()), None if reserved is None else int(reduced[1].item())

@@ -1,0 +1,250 @@
+"""A LightningModule's training batch, run the way Lightning's fit loop runs it -- for the fake engine.
+
+What matters for memory is the order of things, and Lightning's differs from a textbook step: with
+automatic optimization the closure runs ``training_step``, *then* ``optimizer_zero_grad`` (only on the
+first batch of an accumulation window), then backward of ``loss / accumulate_grad_batches``; then
+gradient clipping (``configure_gradient_clipping``), then ``optimizer.step()``. So the gradients of
+the previous step are still alive during the next forward. Manual optimization runs ``training_step``
+alone, which calls ``self.optimizers()``, ``self.manual_backward``, ``opt.step()`` itself.
+
+The module's own methods run (``training_step``, ``configure_optimizers``, ``optimizer_zero_grad``,
+``backward``, ``configure_gradient_clipping``, ``on_after_batch_transfer``), but no other callback's
+hooks, and the trainer's state is not touched: ``self.log``/``self.log_dict`` do nothing,
+``self.optimizers()``/``self.lr_schedulers()`` return the simulation's own optimizers and
+schedulers (built by the module's ``configure_optimizers`` on the fake parameters), and
+``self.manual_backward``/``toggle_optimizer``/``untoggle_optimizer`` act on those. All of it is set as
+instance attributes inside the simulation, which ``engine.fake`` removes afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from torch import Tensor, nn
+
+from lightning_memest.engine.fake import setattr_raw
+from lightning_memest.engine.step import Phase, Precision, StepListener, autocast, check_precision
+from lightning_memest.errors import EstimationError
+
+
+def lightning_precision(trainer: pl.Trainer) -> Precision:
+    """The trainer's precision in the names the engine knows, or an ``EstimationError``."""
+    name = str(trainer.precision)
+    try:
+        return check_precision(name)
+    except ValueError:
+        raise EstimationError(f"precision {name!r} is not supported by the estimator yet") from None
+
+
+def _loss_of(output: Any) -> Tensor | None:
+    """The loss in what ``training_step`` returned, as Lightning reads it."""
+    if output is None or isinstance(output, Tensor):
+        return output
+    if isinstance(output, Mapping):
+        loss = output.get("loss")
+        if loss is None or isinstance(loss, Tensor):
+            return loss
+    raise EstimationError(
+        f"training_step returned {type(output).__name__}; Lightning needs a tensor, a dict with 'loss', "
+        "or None"
+    )
+
+
+class LightningRunner:
+    """Runs training batches of ``module`` as the fit loop would, telling ``listener`` the phases."""
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        listener: StepListener,
+        *,
+        precision: Precision,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: int | float | None = None,
+        gradient_clip_algorithm: str | None = None,
+        step_context: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
+    ) -> None:
+        self.module = module
+        self.listener = listener
+        self.precision = precision
+        self.accumulate = max(1, accumulate_grad_batches)
+        self.clip_val = gradient_clip_val
+        self.clip_algorithm = gradient_clip_algorithm
+        self.device_type = next((p.device.type for p in module.parameters()), "cpu")
+        # The precision plugin's train_step_context (autocast, or the default dtype of *-true).
+        self.step_context = step_context or (lambda: autocast(self.device_type, self.precision))
+        self.steps_run = 0
+        self._install_module_api()
+        optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+        self.optimizers: list[torch.optim.Optimizer] = list(optimizers)
+        self.schedulers = [config.scheduler for config in schedulers]
+        self.scaler = torch.amp.GradScaler(device=self.device_type) if precision == "16-mixed" else None
+        if not module.automatic_optimization:
+            for optimizer in self.optimizers:
+                self._watch_manual_optimizer(optimizer)
+
+    # --- the module's API, answered by the simulation --------------------------------------------------
+    def _install_module_api(self) -> None:
+        module = self.module
+
+        def no_log(*args: Any, **kwargs: Any) -> None:
+            return None
+
+        def optimizers(use_pl_optimizer: bool = True) -> Any:
+            return self.optimizers[0] if len(self.optimizers) == 1 else list(self.optimizers)
+
+        def lr_schedulers() -> Any:
+            if not self.schedulers:
+                return None
+            return self.schedulers[0] if len(self.schedulers) == 1 else list(self.schedulers)
+
+        def manual_backward(loss: Tensor, *args: Any, **kwargs: Any) -> None:
+            self._backward(loss, *args, **kwargs)
+
+        for name, value in (
+            ("log", no_log),
+            ("log_dict", no_log),
+            ("optimizers", optimizers),
+            ("lr_schedulers", lr_schedulers),
+            ("manual_backward", manual_backward),
+            ("toggle_optimizer", self._toggle),
+            ("untoggle_optimizer", self._untoggle),
+        ):
+            setattr_raw(module, name, value)
+
+    def _toggle(self, optimizer: torch.optim.Optimizer) -> None:
+        # LightningModule.toggle_optimizer over the simulation's optimizers.
+        state: dict[nn.Parameter, bool] = {}
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                for param in group["params"]:
+                    if param not in state:
+                        state[param] = param.requires_grad
+                        param.requires_grad = False
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.requires_grad = state[param]
+        self._toggled = state
+
+    def _untoggle(self, optimizer: torch.optim.Optimizer) -> None:
+        state = getattr(self, "_toggled", {})
+        for opt in self.optimizers:
+            if opt is not optimizer:
+                for group in opt.param_groups:
+                    for param in group["params"]:
+                        if param in state:
+                            param.requires_grad = state[param]
+        self._toggled = {}
+
+    def _watch_manual_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """In manual optimization the user calls step/zero_grad: mark the phases there."""
+        step, zero_grad = optimizer.step, optimizer.zero_grad
+
+        @functools.wraps(step)
+        def watched_step(*args: Any, **kwargs: Any) -> Any:
+            self._phase(Phase.OPTIMIZER)
+            result = (
+                self.scaler.step(optimizer, *args, **kwargs)
+                if self.scaler is not None
+                else step(*args, **kwargs)
+            )
+            if self.scaler is not None:
+                self.scaler.update()
+            self.listener.on_optimizer_state(_state_tensors(optimizer))
+            self._phase(Phase.FORWARD)
+            return result
+
+        @functools.wraps(zero_grad)
+        def watched_zero_grad(*args: Any, **kwargs: Any) -> Any:
+            self._phase(Phase.ZERO_GRAD)
+            result = zero_grad(*args, **kwargs)
+            self._phase(Phase.FORWARD)
+            return result
+
+        optimizer.step = watched_step  # type: ignore[method-assign]
+        optimizer.zero_grad = watched_zero_grad  # type: ignore[method-assign]
+
+    # --- one batch ---------------------------------------------------------------------------------------
+    def _phase(self, phase: Phase) -> None:
+        self._current_phase = phase
+        self.listener.on_phase(phase, self.steps_run)
+
+    def _backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        previous = self._current_phase
+        self._phase(Phase.BACKWARD)
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        self.module.backward(scaled, *args, **kwargs)
+        self.listener.on_gradients([p.grad for p in self.module.parameters() if p.grad is not None])
+        self._phase(previous)
+
+    _current_phase = Phase.FORWARD
+
+    def run(self, batch: Any) -> object:
+        batch_idx = self.steps_run
+        module = self.module
+        self._phase(Phase.FORWARD)
+        batch = module.on_after_batch_transfer(batch, 0)
+        if not module.automatic_optimization:
+            with self.step_context():
+                output = module.training_step(batch, batch_idx)
+        else:
+            output = self._automatic(batch, batch_idx)
+        self.steps_run += 1
+        return output
+
+    def _automatic(self, batch: Any, batch_idx: int) -> Tensor | None:
+        module = self.module
+        optimizer = self.optimizers[0] if self.optimizers else None
+        with self.step_context():
+            loss = _loss_of(module.training_step(batch, batch_idx))
+        if optimizer is not None and batch_idx % self.accumulate == 0:
+            self._phase(Phase.ZERO_GRAD)
+            module.optimizer_zero_grad(module.current_epoch, batch_idx, optimizer)
+        if loss is not None:
+            self._backward(loss / self.accumulate)  # as Lightning's ClosureResult, also when 1
+        accumulating = (batch_idx + 1) % self.accumulate != 0
+        if optimizer is None or accumulating:
+            return loss
+        self._phase(Phase.OPTIMIZER)
+        if self.scaler is not None and loss is not None:
+            self.scaler.unscale_(optimizer)
+        module.configure_gradient_clipping(
+            optimizer, gradient_clip_val=self.clip_val, gradient_clip_algorithm=self.clip_algorithm
+        )
+        if self.scaler is not None:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+        else:
+            optimizer.step()
+        self.listener.on_optimizer_state(_state_tensors(optimizer))
+        return loss
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor)]
+
+
+def lightning_runner_factory(trainer: pl.Trainer) -> Callable[[nn.Module, StepListener], LightningRunner]:
+    """The runner factory ``engine.simulate`` calls, configured from the trainer's settings."""
+    precision = lightning_precision(trainer)
+
+    def make(module: nn.Module, listener: StepListener) -> LightningRunner:
+        if not isinstance(module, pl.LightningModule):
+            raise EstimationError(f"expected a LightningModule, got {type(module).__name__}")
+        return LightningRunner(
+            module,
+            listener,
+            precision=precision,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            gradient_clip_val=trainer.gradient_clip_val,
+            gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+            step_context=trainer.precision_plugin.train_step_context,
+        )
+
+    return make

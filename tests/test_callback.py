@@ -1,0 +1,234 @@
+"""MemEstimate through real ``Trainer.fit`` runs on CPU, with a TensorBoardLogger."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_memest import MemEstimate
+
+
+class RandomImages(Dataset[tuple[Tensor, Tensor]]):
+    def __init__(self, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 3, 16, 16, generator=g)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.x[i], self.y[i]
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self, batch_size: int = 16) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(16 * 16 * 16, 10),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(RandomImages(), batch_size=self.batch_size, shuffle=True)
+
+
+def fit(module: pl.LightningModule, tmp_path: Path, callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
+    kwargs.setdefault("max_steps", 3)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        callbacks=callbacks,
+        logger=TensorBoardLogger(tmp_path, name="tb", version=0),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        **kwargs,
+    )
+    trainer.fit(module)
+    return trainer
+
+
+def scalars(tmp_path: Path) -> dict[str, list[float]]:
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"))
+    acc.Reload()
+    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_estimate_logged_and_within_two_percent_of_measured(tmp_path: Path) -> None:
+    memest = MemEstimate()
+    fit(Classifier(), tmp_path, [memest])
+    assert memest.estimate is not None
+    assert len(memest.measured) == 2
+    for step in memest.measured:
+        assert abs(step.error_pct) <= 2.0, step
+    logged = scalars(tmp_path)
+    for name in ("first_step", "steady_state"):
+        for key in ("estimated_bytes", "measured_bytes", "error_pct"):
+            assert f"memest/{name}/{key}" in logged
+    assert logged["memest/steady_state/measured_bytes"][-1] == memest.measured[1].peak_bytes
+
+
+def test_summary_shows_the_estimate(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: Any
+) -> None:
+    import lightning_memest.summary as summary
+
+    monkeypatch.setattr(summary, "_RICH_AVAILABLE", False)  # the plain table goes to the log
+    with caplog.at_level(logging.INFO, logger="lightning_memest.summary"):
+        fit(Classifier(), tmp_path, [MemEstimate(max_depth=2)], max_steps=1)
+    text = caplog.text
+    assert "Saved for bwd" in text
+    assert "net.0" in text  # max_depth=2 is honoured
+    assert "Estimated peak memory, first step (cpu)" in text
+    assert "Estimated peak memory, steady state" in text
+
+
+def test_training_is_bitwise_identical_with_the_callback(tmp_path: Path) -> None:
+    def final_weights(callbacks: list[Any]) -> dict[str, Tensor]:
+        pl.seed_everything(7)
+        module = Classifier()
+        fit(module, tmp_path / str(len(callbacks)), callbacks, max_steps=4)
+        return {k: v.clone() for k, v in module.state_dict().items()}
+
+    without = final_weights([])
+    with_callback = final_weights([MemEstimate()])
+    assert without.keys() == with_callback.keys()
+    for key, value in without.items():
+        assert torch.equal(value, with_callback[key]), key
+
+
+class CachingModule(Classifier):
+    """Caches a tensor on itself in forward, reads values, masks by value, and uses nonzero."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if getattr(self, "scale", None) is None:
+            self.scale = torch.ones(1)
+        h = self.net(x) * self.scale
+        keep = h[h > 0]  # data-dependent shape
+        return h + keep.sum() * 0 + torch.nonzero(h > 0).shape[0] * 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if loss.item() > 1e6:  # a value read
+            raise RuntimeError("unreachable")
+        return loss
+
+
+class Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return 2 * x * grad
+
+
+class CustomFunctionModule(Classifier):
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(Square.apply(x))  # type: ignore[no-any-return]
+
+
+class ManualModule(Classifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        opt = self.optimizers()
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+class DictBatchModule(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return F.cross_entropy(self(batch["image"]), batch["label"])
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        data = RandomImages()
+        items = [{"image": data.x[i], "label": data.y[i]} for i in range(len(data))]
+        return DataLoader(items, batch_size=self.batch_size)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("module_cls", "trainer_kwargs"),
+    [
+        (CachingModule, {}),
+        (CustomFunctionModule, {}),
+        (ManualModule, {}),
+        (DictBatchModule, {}),
+        (Classifier, {"accumulate_grad_batches": 4, "max_steps": 2}),
+        (Classifier, {"gradient_clip_val": 0.5}),
+    ],
+    ids=["caching-item-mask-nonzero", "autograd-function", "manual", "dict-batch", "accumulate-4", "clip"],
+)
+def test_hostile_modules_train_with_at_most_a_warning(
+    tmp_path: Path, module_cls: type[Classifier], trainer_kwargs: dict[str, Any]
+) -> None:
+    memest = MemEstimate()
+    module = module_cls()
+    fit(module, tmp_path, [memest], **trainer_kwargs)
+    assert memest.estimate is not None, "the estimate should succeed for this module"
+    assert len(memest.measured) == 2
+    for step in memest.measured:
+        assert abs(step.error_pct) <= 2.0, step
+    if module_cls is CachingModule:
+        assert type(module.scale) is Tensor  # the real cache, not a fake one
+        assert memest.estimate.data_dependent is not None
+
+
+def test_empty_init_module(tmp_path: Path) -> None:
+    memest = MemEstimate()
+    trainer = pl.Trainer(
+        accelerator="cpu", max_steps=2, callbacks=[memest], logger=False, enable_checkpointing=False
+    )
+    with trainer.init_module(empty_init=True):
+        module = Classifier()
+    trainer.fit(module)
+    assert memest.estimate is not None and len(memest.measured) == 2
+
+
+def test_a_failing_estimate_is_one_warning_and_training_goes_on(tmp_path: Path) -> None:
+    class Unsimulatable(Classifier):
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            loss = super().training_step(batch, batch_idx)
+            return loss + torch.unique(batch[1]).sum() * 0  # unique's size depends on values
+
+    memest = MemEstimate()
+    with pytest.warns(UserWarning, match="MemEstimate: estimating failed") as record:
+        trainer = fit(Unsimulatable(), tmp_path, [memest])
+    assert sum("MemEstimate" in str(w.message) for w in record) == 1
+    assert memest.estimate is None and memest.measured == []
+    assert trainer.global_step == 3
