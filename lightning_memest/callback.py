@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
@@ -23,6 +24,7 @@ from lightning_memest.estimate import estimate_lightning_step
 from lightning_memest.measure import StepProbe
 from lightning_memest.report import StepEstimate
 from lightning_memest.summary import estimate_columns, footer_items, render_summary
+from lightning_memest.tensorboard import log_to_tensorboard
 
 _T = TypeVar("_T")
 
@@ -152,6 +154,8 @@ class MemEstimate(ModelSummary):
         measured = MeasuredStep(step + 1, peak, reserved, self.estimate.peaks[step].bytes)
         self.measured.append(measured)
         self._safely("logging", lambda: self._log_measured(trainer, measured))
+        if len(self.measured) == CHECKED_STEPS:
+            self._safely("logging to TensorBoard", lambda: self._log_tensorboard(trainer, final=True))
 
     # --- logging -------------------------------------------------------------------------------------------
     def _log_estimate(self, trainer: pl.Trainer, estimate: StepEstimate) -> None:
@@ -160,6 +164,28 @@ class MemEstimate(ModelSummary):
             for name, p in zip(_PEAK_NAMES, estimate.peaks, strict=False)
         }
         self._log(trainer, metrics, step=0)
+        self._safely("logging to TensorBoard", lambda: self._log_tensorboard(trainer, final=False))
+
+    def _log_tensorboard(self, trainer: pl.Trainer, final: bool) -> None:
+        estimate = self.estimate
+        if estimate is None or not trainer.is_global_zero:
+            return
+        measured = [m.peak_bytes for m in self.measured] if final else None
+        for logger in trainer.loggers:
+            if not isinstance(logger, TensorBoardLogger):
+                continue
+            log_to_tensorboard(logger.experiment, estimate, measured, step=len(self.measured))
+            if final:
+                metrics = {
+                    f"memest/{_PEAK_NAMES[m.step - 1]}/{key}": float(value)
+                    for m in self.measured
+                    for key, value in (
+                        ("estimated_bytes", m.estimated_bytes),
+                        ("measured_bytes", m.peak_bytes),
+                    )
+                }
+                params = {"memest/device": estimate.device, "memest/precision": estimate.precision}
+                logger.log_hyperparams(params, metrics)
 
     def _log_measured(self, trainer: pl.Trainer, measured: MeasuredStep) -> None:
         name = _PEAK_NAMES[measured.step - 1]

@@ -92,6 +92,15 @@ def test_estimate_logged_and_within_two_percent_of_measured(tmp_path: Path) -> N
         for key in ("estimated_bytes", "measured_bytes", "error_pct"):
             assert f"memest/{name}/{key}" in logged
     assert logged["memest/steady_state/measured_bytes"][-1] == memest.measured[1].peak_bytes
+    acc = EventAccumulator(str(tmp_path / "tb" / "version_0"))
+    acc.Reload()
+    tags = acc.Tags()
+    assert "memest/timeline" in tags["images"]
+    assert {
+        "custom_scalars__config__",
+        "memest/breakdown/text_summary",
+        "memest/top_modules/text_summary",
+    } <= set(tags["tensors"])
 
 
 def test_summary_shows_the_estimate(

@@ -1,0 +1,117 @@
+"""The estimate in TensorBoard: a custom-scalars layout, markdown tables and the timeline figure.
+
+Everything goes through the ``SummaryWriter`` of Lightning's ``TensorBoardLogger``
+(``logger.experiment``); scalars themselves are logged by the callback like any metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from lightning_memest.engine.step import Phase
+from lightning_memest.report import StepEstimate, format_bytes
+
+_PHASE_COLOURS = {
+    Phase.FORWARD: "#4C72B0",
+    Phase.BACKWARD: "#DD8452",
+    Phase.OPTIMIZER: "#55A868",
+    Phase.ZERO_GRAD: "#8C8C8C",
+}
+_LAYOUT_FLAG = "_memest_layout_registered"
+
+
+def register_layout(writer: Any) -> None:
+    """One chart per peak with estimated and measured together (a writer takes one layout: once)."""
+    if getattr(writer, _LAYOUT_FLAG, False):
+        return
+    charts = {
+        title: ["Multiline", [f"memest/{name}/estimated_bytes", f"memest/{name}/measured_bytes"]]
+        for title, name in (
+            ("first-step peak (bytes)", "first_step"),
+            ("steady-state peak (bytes)", "steady_state"),
+        )
+    }
+    charts["estimate error (%)"] = [
+        "Multiline",
+        ["memest/first_step/error_pct", "memest/steady_state/error_pct"],
+    ]
+    writer.add_custom_scalars({"memest": charts})
+    setattr(writer, _LAYOUT_FLAG, True)
+
+
+def breakdown_markdown(estimate: StepEstimate, measured: Sequence[int] | None) -> str:
+    """A markdown table: what each estimated peak holds, with the measured peaks below."""
+    peaks = estimate.peaks
+    header = "| | " + " | ".join(f"step {p.step} peak" for p in peaks) + " |"
+    rows = [header, "|---" * (len(peaks) + 1) + "|"]
+    for name, _ in peaks[0].breakdown.items():
+        cells = " | ".join(format_bytes(getattr(p.breakdown, name)) for p in peaks)
+        rows.append(f"| {name.replace('_', ' ')} | {cells} |")
+    rows.append("| **estimated** | " + " | ".join(f"**{format_bytes(p.bytes)}**" for p in peaks) + " |")
+    if measured is not None:
+        rows.append("| measured | " + " | ".join(format_bytes(m) for m in measured) + " |")
+        errors = (f"{100.0 * (p.bytes - m) / m:+.2f} %" for p, m in zip(peaks, measured, strict=False))
+        rows.append("| error | " + " | ".join(errors) + " |")
+    rows.append("")
+    rows.append(
+        "Peaks at: "
+        + "; ".join(f"step {p.step}: `{p.op}` in `{p.module or '(root)'}` ({p.phase.value})" for p in peaks)
+    )
+    return "\n".join(rows)
+
+
+def top_modules_markdown(estimate: StepEstimate, top: int = 10) -> str:
+    """A markdown table of the modules that save the most activation memory for backward."""
+    leaves = [m for m in estimate.modules.walk() if m.children is None and m.saved_bytes > 0]
+    leaves.sort(key=lambda m: m.saved_bytes, reverse=True)
+    rows = ["| module | type | saved for backward | parameters |", "|---|---|---|---|"]
+    rows += [
+        f"| `{m.path}` | {m.type_name} | {format_bytes(m.saved_bytes)} | {format_bytes(m.parameter_bytes)} |"
+        for m in leaves[:top]
+    ]
+    return "\n".join(rows)
+
+
+def timeline_figure(estimate: StepEstimate, measured: Sequence[int] | None) -> Figure:
+    """Live bytes over the simulated steps, phases shaded, the measured peaks drawn across."""
+    fig = Figure(figsize=(10, 4), dpi=100)
+    ax = fig.add_subplot()
+    points = estimate.timeline
+    xs = list(range(len(points)))
+    ax.plot(xs, [p.live_bytes / 2**20 for p in points], color="black", linewidth=1, label="estimated live")
+    start = 0
+    for i in range(1, len(points) + 1):
+        if i == len(points) or points[i].phase != points[start].phase or points[i].step != points[start].step:
+            phase = points[start].phase
+            ax.axvspan(start, i, color=_PHASE_COLOURS.get(phase, "#DDDDDD"), alpha=0.15, linewidth=0)
+            start = i
+    for p in estimate.peaks:
+        ax.axhline(p.bytes / 2**20, color="black", linestyle=":", linewidth=0.8)
+    if measured is not None:
+        for step, m in enumerate(measured, start=1):
+            ax.axhline(
+                m / 2**20, color="#C44E52", linestyle="--", linewidth=1, label=f"measured peak, step {step}"
+            )
+    for phase, colour in _PHASE_COLOURS.items():
+        ax.axvspan(0, 0, color=colour, alpha=0.3, label=phase.value)
+    ax.set_xlabel("op (two simulated steps)")
+    ax.set_ylabel("live MiB")
+    ax.set_title(f"lightning_memest: simulated live memory ({estimate.device}, {estimate.precision})")
+    ax.legend(loc="lower right", fontsize="small", ncol=3, framealpha=0.9)
+    ax.set_ylim(bottom=0)
+    ax.margins(x=0)
+    fig.tight_layout()
+    return fig
+
+
+def log_to_tensorboard(
+    writer: Any, estimate: StepEstimate, measured: Sequence[int] | None, step: int
+) -> None:
+    """The layout, the tables and the figure, into one ``SummaryWriter``."""
+    register_layout(writer)
+    writer.add_text("memest/breakdown", breakdown_markdown(estimate, measured), global_step=step)
+    writer.add_text("memest/top_modules", top_modules_markdown(estimate), global_step=step)
+    writer.add_figure("memest/timeline", timeline_figure(estimate, measured), global_step=step)
