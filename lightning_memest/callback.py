@@ -7,7 +7,7 @@ and logs one report. Any failure becomes one warning; training goes on unchanged
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
 from lightning_memest.estimate import estimate_lightning_step
-from lightning_memest.measure import StepProbe
+from lightning_memest.measure import StepProbe, module_tensors
 from lightning_memest.report import StepEstimate
 from lightning_memest.summary import estimate_columns, footer_items, render_summary
 from lightning_memest.tensorboard import log_to_tensorboard
@@ -235,16 +235,16 @@ def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
 
 
 def _resident_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[Tensor]:
-    def module_tensors() -> Iterator[Tensor]:
-        for t in (*pl_module.parameters(), *pl_module.buffers()):
-            yield t
-            if t.grad is not None:
-                yield t.grad
-        for optimizer in trainer.optimizers:
-            for state in optimizer.state.values():
-                yield from (v for v in state.values() if isinstance(v, Tensor))
-
-    return [*module_tensors(), *(t for t in tree_leaves(batch) if isinstance(t, Tensor))]
+    # Plain tensor attributes count too: a cache a module made in the first step (a positional
+    # encoding) is resident in the second.
+    state = [
+        v
+        for opt in trainer.optimizers
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, Tensor)
+    ]
+    return [*module_tensors(pl_module), *state, *(t for t in tree_leaves(batch) if isinstance(t, Tensor))]
 
 
 def _max_over_ranks(trainer: pl.Trainer, result: tuple[int, int | None]) -> tuple[int, int | None]:

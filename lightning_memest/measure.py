@@ -97,7 +97,8 @@ def iter_tensors(obj: Any) -> Iterator[Tensor]:
             yield from iter_tensors(value)
 
 
-def _module_tensors(model: nn.Module) -> Iterator[Tensor]:
+def module_tensors(model: nn.Module) -> Iterator[Tensor]:
+    """Every tensor a module holds: parameters (and their grads), buffers, plain tensor attributes."""
     for module in model.modules():
         # Parameters and buffers live in _parameters/_buffers; vars() also shows plain tensor attributes
         # (caches such as positional encodings) that are resident too.
@@ -191,14 +192,14 @@ def measure_step(model: nn.Module, batch: Any, config: StepConfig, *, steps: int
     if steps < 1:
         raise ValueError(f"steps must be at least 1; got {steps}")
     runner = StepRunner(model, config)
-    device = next((t.device for t in _module_tensors(model)), torch.device("cpu"))
+    device = next((t.device for t in module_tensors(model)), torch.device("cpu"))
     if device.type == "cuda":
         return _measure_cuda(runner, batch, steps, device)
     if device.type != "cpu":
         raise ValueError(f"measure_step measures CPU or CUDA models; this one is on {device}")
     # Some optimizers (Adagrad, ASGD) create state in their constructor: resident before step 1 too.
     optimizer_state = iter_tensors(list(runner.optimizer.state.values())) if runner.optimizer else iter(())
-    baseline = resident_bytes([*_module_tensors(model), *iter_tensors(batch), *optimizer_state])
+    baseline = resident_bytes([*module_tensors(model), *iter_tensors(batch), *optimizer_state])
     seconds: list[float] = []
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         for i in range(steps):
