@@ -76,7 +76,10 @@ def main() -> None:
 
     if memest.estimate is None:
         return
-    print(f"\nestimated in {memest.estimate.estimate_seconds:.2f} s (simulation of two steps)")
+    print(
+        f"\nthe estimate added {memest.setup_seconds:.2f} s to fit start "
+        f"({memest.estimate.estimate_seconds:.2f} s simulating two steps)"
+    )
     for m in memest.measured:
         print(
             f"step {m.step}: estimated {format_bytes(m.estimated_bytes)}, "

@@ -7,6 +7,7 @@ and logs one report. Any failure becomes one warning; training goes on unchanged
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -81,6 +82,8 @@ class MemEstimate(ModelSummary):
         """The estimate made on fit start (``None`` before, or if it failed)."""
         self.measured: list[MeasuredStep] = []
         """The measured first batches, once they ran."""
+        self.setup_seconds: float | None = None
+        """Wall seconds the estimate added to fit start (the batch, the simulation, the accounting)."""
         self._probe: StepProbe | None = None
         self._warned = False
 
@@ -89,7 +92,9 @@ class MemEstimate(ModelSummary):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Estimated here rather than in setup: configure_model has run, the precision plugin has
         # converted the module, and the strategy knows its device.
+        start = time.perf_counter()
         self.estimate = self._safely("estimating", lambda: self._estimate(trainer, pl_module))
+        self.setup_seconds = time.perf_counter() - start
         if self.estimate is not None:
             self._log_estimate(trainer, self.estimate)
         if self._max_depth:
