@@ -58,7 +58,9 @@ class MemEstimate(ModelSummary):
     batches are then measured (CUDA: ``max_memory_allocated``/``max_memory_reserved``; CPU: the
     allocator's events in ``torch.profiler``), and estimated, measured and the error are logged:
     ``memest/first_step/{estimated_bytes,measured_bytes,error_pct}`` and the same under
-    ``memest/steady_state/`` (plus ``measured_reserved_bytes`` on CUDA). After that it costs nothing.
+    ``memest/steady_state/`` (plus ``measured_reserved_bytes`` on CUDA), and ``memest/flops/forward``,
+    ``memest/flops/backward``. It sets ``pl_module.flops_per_batch`` (forward + backward FLOPs of one
+    batch) unless you did, so ``ThroughputMonitor`` reports MFU. After the check it costs nothing.
 
     It takes the place of Lightning's ``ModelSummary`` (``max_depth`` and the other arguments mean
     the same). A failure while estimating or measuring is one warning, never an error.
@@ -96,6 +98,7 @@ class MemEstimate(ModelSummary):
         self.estimate = self._safely("estimating", lambda: self._estimate(trainer, pl_module))
         self.setup_seconds = time.perf_counter() - start
         if self.estimate is not None:
+            _set_flops_per_batch(pl_module, self.estimate)
             self._log_estimate(trainer, self.estimate)
         if self._max_depth:
             self._safely("printing the model summary", lambda: self._print_summary(trainer, pl_module))
@@ -168,6 +171,9 @@ class MemEstimate(ModelSummary):
             f"memest/{name}/estimated_bytes": float(p.bytes)
             for name, p in zip(_PEAK_NAMES, estimate.peaks, strict=False)
         }
+        if estimate.flops is not None:
+            metrics["memest/flops/forward"] = float(estimate.flops.forward)
+            metrics["memest/flops/backward"] = float(estimate.flops.backward or 0)
         self._log(trainer, metrics, step=0)
         self._safely("logging to TensorBoard", lambda: self._log_tensorboard(trainer, final=False))
 
@@ -219,6 +225,12 @@ class MemEstimate(ModelSummary):
                     f"MemEstimate: {what} failed, training goes on without it: {type(exc).__name__}: {exc}"
                 )
             return None
+
+
+def _set_flops_per_batch(pl_module: pl.LightningModule, estimate: StepEstimate) -> None:
+    """Lightning's ThroughputMonitor reads ``flops_per_batch`` to report MFU; a user's value wins."""
+    if estimate.flops is not None and getattr(pl_module, "flops_per_batch", None) is None:
+        setattr(pl_module, "flops_per_batch", estimate.flops.forward + (estimate.flops.backward or 0))  # noqa: B010
 
 
 def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:

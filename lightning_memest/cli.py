@@ -8,6 +8,14 @@
                     [--precision 32-true|16-mixed|bf16-mixed|16-true|bf16-true] [--device cpu|cuda] [--json]
     memest measure  (the same arguments)
     memest compare MODEL [MODEL ...] (the same input, loss, optimizer, precision and device flags) [--json]
+    memest max-batch-size MODEL --memory-budget SIZE (the flags of estimate) [--max-batch-size N]
+
+``max-batch-size`` prints the largest batch size whose estimated peak is within SIZE (bytes, or a
+number with a unit: ``10GiB``, ``512MiB``, ``1.5GB``, ``8g``; see
+:func:`~lightning_memest.batch_size.parse_size`); ``--batch-size`` is the second size it probes. With
+``--json``: ``{"max_batch_size": int, "peak_bytes_at_max": int | null, "probes": int, "seconds": float}``
+(``max_batch_size`` 0 and ``peak_bytes_at_max`` null when not even one sample fits: still exit 0, with
+a note on stderr). Each probe is reported on stderr as it finishes.
 
 ``MODEL`` is ``package.module:name`` (the current directory is importable); see
 :mod:`lightning_memest.models` for how models, inputs, losses and optimizers are made.
@@ -33,6 +41,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn, TextIO
 
+from lightning_memest.batch_size import DEFAULT_CAP, case_batch_maker, max_batch_size, parse_size
 from lightning_memest.engine.step import PRECISIONS
 from lightning_memest.errors import MemestError
 from lightning_memest.models import (
@@ -50,7 +59,7 @@ from lightning_memest.models import (
     parse_shape,
     resolve_model,
 )
-from lightning_memest.report import ModuleStats, StepEstimate, format_bytes
+from lightning_memest.report import ModuleStats, StepEstimate, format_bytes, human_flops
 
 __all__ = ["main"]
 
@@ -115,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Estimate the memory of one PyTorch training step on fake tensors; measure it for real.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{estimate,measure,compare}")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{estimate,measure,compare,max-batch-size}"
+    )
     model_help = "package.module:name of an nn.Module class or factory (the current directory is importable)"
     for name, help_text in (
         ("estimate", "estimate the peak memory of a training step, without running it"),
@@ -131,7 +142,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("models", metavar="MODEL", nargs="+", help=model_help)
     _add_case_flags(p)
+    _add_max_batch_size_parser(sub, model_help)
     return parser
+
+
+def _add_max_batch_size_parser(sub: Any, model_help: str) -> None:
+    help_text = "find the largest batch size whose estimated peak is within a memory budget"
+    p = sub.add_parser("max-batch-size", help=help_text, description=help_text)
+    p.add_argument("model", metavar="MODEL", help=model_help)
+    _add_case_flags(p)
+    for action in p._actions:  # the same flag, another meaning here
+        if action.dest == "batch_size":
+            action.help = f"the second batch size probed, after 1 (default {DEFAULT_BATCH_SIZE})"
+    p.add_argument(
+        "--memory-budget",
+        required=True,
+        metavar="SIZE",
+        help="the memory for the step: bytes, or a number and a unit (10GiB, 512MiB, 1.5GB, 8g)",
+    )
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=DEFAULT_CAP,
+        metavar="N",
+        dest="cap",
+        help=f"the largest batch size considered (default {DEFAULT_CAP})",
+    )
 
 
 # ------------------------------------------------------------------------------------------ settings
@@ -212,6 +248,12 @@ def _print_estimate(est: StepEstimate, out: TextIO) -> None:
             print(
                 f"    {read.op} in {read.module or '(root)'} x{read.count}: assumed {read.assumed}", file=out
             )
+    if est.flops is not None:
+        f = est.flops
+        print("\n  FLOPs of one step (2 x MACs of matmuls, convolutions, attention):", file=out)
+        print(f"    {'forward':<22}{human_flops(f.forward):>12}", file=out)
+        print(f"    {'backward':<22}{human_flops(f.backward or 0):>12}", file=out)
+        print(f"    {'other (elementwise...)':<22}{human_flops(f.other_total):>12}", file=out)
     print(f"\n  estimated in {est.estimate_seconds:.2f} s", file=out)
 
 
@@ -307,7 +349,50 @@ def _compare(args: argparse.Namespace, out: TextIO) -> None:
             print(line.rstrip(), file=out)
 
 
-_COMMANDS = {"estimate": _estimate, "measure": _measure, "compare": _compare}
+def _max_batch_size(args: argparse.Namespace, out: TextIO) -> None:
+    try:
+        budget = parse_size(args.memory_budget)
+    except ValueError as e:
+        raise SpecError(f"--memory-budget: {e}") from None
+    if args.cap < 1:
+        raise SpecError(f"--max-batch-size must be at least 1; got {args.cap}")
+    inputs = _input_spec(args)
+    # Built (for real) at --batch-size: small, and it checks the input and makes the target's shape;
+    # every probe resizes that batch on the meta device.
+    case = _build(args.model, args, inputs, _model_kwargs(args.model_kwargs))
+
+    def progress(n: int, peak: int) -> None:
+        verdict = "fits" if peak <= budget else "over"
+        print(f"{PROG}: batch size {n}: {format_bytes(peak)} ({verdict})", file=sys.stderr, flush=True)
+
+    result = max_batch_size(
+        case.model,
+        case_batch_maker(case),
+        budget,
+        loss_fn=case.config.loss_fn,
+        optimizer=case.config.optimizer,
+        precision=case.config.precision,
+        device=args.device,
+        start=inputs.batch_size,
+        cap=args.cap,
+        progress=progress,
+    )
+    if result.max_batch_size == 0 or result.capped:
+        print(f"{PROG}: {result.message}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(result.to_json()), file=out)
+        return
+    print(f"max batch size of {args.model} ({_settings(args, inputs)})", file=out)
+    print(f"  {result.message}", file=out)
+    print(f"\n  {len(result.probes)} estimates in {result.seconds:.2f} s", file=out)
+
+
+_COMMANDS = {
+    "estimate": _estimate,
+    "measure": _measure,
+    "compare": _compare,
+    "max-batch-size": _max_batch_size,
+}
 
 
 def _one_line(e: BaseException) -> str:

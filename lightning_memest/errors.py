@@ -20,3 +20,27 @@ class EstimationError(MemestError):
         super().__init__(f"{message} (at {where})" if where else message)
         self.op = op
         self.module = module
+
+
+class MemoryBudgetError(MemestError):
+    """The estimated peak of a training step is over the memory budget.
+
+    Raised before any real step runs. The message names the estimated peak, the budget, the batch size
+    in use and the largest that fits; the same figures are attributes (``None`` where unknown;
+    ``max_batch_size`` 0 when not even one sample fits).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        peak_bytes: int,
+        budget_bytes: int,
+        batch_size: int | None = None,
+        max_batch_size: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.peak_bytes = peak_bytes
+        self.budget_bytes = budget_bytes
+        self.batch_size = batch_size
+        self.max_batch_size = max_batch_size

@@ -10,7 +10,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_memest.accounting import kernels
+from lightning_memest.accounting import flops, kernels
 from lightning_memest.accounting.allocator import ROLE_ORDER, Replay, replay
 from lightning_memest.engine.events import Alloc, DataDependent, Event, OpEvent, Role, Tag
 from lightning_memest.engine.simulate import Simulation, simulate
@@ -106,11 +106,12 @@ def estimate_from(model: nn.Module, sim: Simulation, precision: str) -> StepEsti
     """Account for a simulation's events and build the report."""
     steps = sim.steps
     result = replay(sim.events, steps, kernels.kernel_memory)
+    flop_count = flops.count_flops(sim.events)
     return StepEstimate(
         device=str(sim.device),
         precision=precision,
         peaks=_peaks(result),
-        modules=_module_tree(model, sim.events, result),
+        modules=_module_tree(model, sim.events, result, flop_count),
         timeline=tuple(
             TimelinePoint(
                 s.event.index, s.event.step + 1, s.event.phase, s.event.module, s.event.op, s.live_bytes
@@ -119,13 +120,14 @@ def estimate_from(model: nn.Module, sim: Simulation, precision: str) -> StepEsti
         ),
         data_dependent=_data_dependent_reads(sim.events),
         reserved_bytes=None,
+        flops=flop_count,
         estimate_seconds=sim.seconds,
     )
 
 
 def _captured(op: torch._ops.OpOverload) -> bool:
-    """Ops whose full call the accounting needs: those with a kernel memory model."""
-    return kernels.kernel_model_for(op) is not None
+    """Ops whose full call the accounting needs: kernel memory models and FLOP formulas."""
+    return kernels.kernel_model_for(op) is not None or flops.captures_flops(op)
 
 
 def _peaks(result: Replay) -> tuple[Peak, ...]:
@@ -157,7 +159,9 @@ def _within(path: str, prefix: str) -> bool:
     return not prefix or path == prefix or path.startswith(prefix + ".")
 
 
-def _module_tree(model: nn.Module, events: Sequence[Event], result: Replay) -> ModuleStats:
+def _module_tree(
+    model: nn.Module, events: Sequence[Event], result: Replay, flop_count: flops.FlopCount
+) -> ModuleStats:
     """Per-module figures of the first step; each module's figures include its children's."""
     saved: Counter[str] = Counter()
     sizes: dict[int, int] = {}
@@ -201,7 +205,10 @@ def _module_tree(model: nn.Module, events: Sequence[Event], result: Replay) -> M
                 break
             path = path.rpartition(".")[0]
 
+    module_flops = {m.path: m for m in flop_count.modules}
+
     def build(path: str, module: nn.Module) -> ModuleStats:
+        counted = module_flops.get(path)
         children = tuple(
             build(f"{path}.{name}" if path else name, child) for name, child in module.named_children()
         )
@@ -212,6 +219,8 @@ def _module_tree(model: nn.Module, events: Sequence[Event], result: Replay) -> M
             saved_bytes=sum(n for p, n in saved.items() if _within(p, path)),
             forward_peak_bytes=forward_high.get(path),
             backward_peak_bytes=backward_high.get(path),
+            forward_flops=None if counted is None else counted.forward,
+            backward_flops=None if counted is None or path not in backward_high else counted.backward,
             children=children or None,
         )
 

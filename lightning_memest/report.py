@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
+from lightning_memest.accounting.flops import FlopCount
 from lightning_memest.engine.step import Phase
 
 _BREAKDOWN_DOC = {
@@ -74,6 +75,10 @@ class ModuleStats:
     """Most bytes live during its forward; ``None`` if it never ran."""
     backward_peak_bytes: int | None
     """Most bytes live during its backward; ``None`` if it had no backward."""
+    forward_flops: int | None
+    """Headline FLOPs (2 x MACs of matmuls, convolutions, attention) of its forward; ``None`` if it
+    never ran."""
+    backward_flops: int | None
     children: tuple[ModuleStats, ...] | None
 
     def walk(self) -> Iterator[ModuleStats]:
@@ -127,6 +132,8 @@ class StepEstimate:
     """Where values of fake tensors were read and what was assumed; ``None`` if nowhere."""
     reserved_bytes: tuple[int, ...] | None
     """Allocator-reserved peaks per step (CUDA); ``None`` where not modelled."""
+    flops: FlopCount | None
+    """FLOPs of the first step, from the same simulation (``accounting.flops``)."""
     estimate_seconds: float
     """Seconds the simulation took (conversion to fake tensors and the steps)."""
 
@@ -153,7 +160,13 @@ class StepEstimate:
                 else {"first_step": self.reserved_bytes[0], "steady_state": self.reserved_bytes[-1]}
             ),
             "breakdown_bytes": dict(self.steady_state.breakdown.items()),
-            "flops": None,
+            "flops": None
+            if self.flops is None
+            else {
+                "forward": self.flops.forward,
+                "backward": self.flops.backward or 0,
+                "optimizer": self.flops.optimizer or 0,
+            },
             "estimate_seconds": round(self.estimate_seconds, 4),
         }
 
@@ -165,4 +178,14 @@ def format_bytes(n: int | float) -> str:
         if abs(value) < 1024 or unit == "TiB":
             return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_flops(n: int | float) -> str:
+    """``1.8e9`` -> ``'1.80 GFLOP'``; decimal units, as FLOPs are counted."""
+    value = float(n)
+    for unit in ("", "K", "M", "G", "T", "P"):
+        if abs(value) < 1000 or unit == "P":
+            return f"{int(value)} FLOP" if not unit else f"{value:.2f} {unit}FLOP"
+        value /= 1000
     raise AssertionError("unreachable")

@@ -32,8 +32,17 @@ SAVED_HEADER = "Saved for bwd"
 def estimate_columns(layer_names: Sequence[str], estimate: StepEstimate) -> list[Column]:
     """The extra columns for the summary's layers (module paths relative to the LightningModule)."""
     stats: dict[str, ModuleStats] = {m.path: m for m in estimate.modules.walk()}
-    saved = [format_bytes(stats[name].saved_bytes) if name in stats else "-" for name in layer_names]
-    return [(SAVED_HEADER, saved)]
+    rows = [stats.get(name) for name in layer_names]
+    saved = ["-" if m is None else format_bytes(m.saved_bytes) for m in rows]
+    forward = [
+        "-" if m is None or m.forward_flops is None else get_human_readable_count(m.forward_flops)
+        for m in rows
+    ]
+    backward = [
+        "-" if m is None or m.backward_flops is None else get_human_readable_count(m.backward_flops)
+        for m in rows
+    ]
+    return [(SAVED_HEADER, saved), ("Fwd FLOPs/step", forward), ("Bwd FLOPs/step", backward)]
 
 
 def footer_items(estimate: StepEstimate) -> list[tuple[str, str]]:
@@ -50,6 +59,14 @@ def footer_items(estimate: StepEstimate) -> list[tuple[str, str]]:
             ),
         ),
     ]
+    if estimate.flops is not None:
+        f = estimate.flops
+        items.append(
+            (
+                "Estimated FLOPs per batch (fwd + bwd)",
+                f"{get_human_readable_count(f.forward)} + {get_human_readable_count(f.backward or 0)}",
+            )
+        )
     if estimate.data_dependent is not None:
         items.append(
             ("Tensor values read (assumed, see MemEstimate.estimate)", str(len(estimate.data_dependent)))

@@ -12,7 +12,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from lightning_memest.engine.step import Phase
-from lightning_memest.report import StepEstimate, format_bytes
+from lightning_memest.report import ModuleStats, StepEstimate, format_bytes, human_flops
 
 _PHASE_COLOURS = {
     Phase.FORWARD: "#4C72B0",
@@ -64,14 +64,30 @@ def breakdown_markdown(estimate: StepEstimate, measured: Sequence[int] | None) -
 
 
 def top_modules_markdown(estimate: StepEstimate, top: int = 10) -> str:
-    """A markdown table of the modules that save the most activation memory for backward."""
-    leaves = [m for m in estimate.modules.walk() if m.children is None and m.saved_bytes > 0]
-    leaves.sort(key=lambda m: m.saved_bytes, reverse=True)
-    rows = ["| module | type | saved for backward | parameters |", "|---|---|---|---|"]
+    """Markdown tables of the layers that save the most for backward, and that compute the most."""
+    leaves = [m for m in estimate.modules.walk() if m.children is None]
+    by_memory = sorted((m for m in leaves if m.saved_bytes > 0), key=lambda m: m.saved_bytes, reverse=True)
+    rows = ["**By activation memory saved for backward**", "", "| module | type | saved | parameters |"]
+    rows.append("|---|---|---|---|")
     rows += [
         f"| `{m.path}` | {m.type_name} | {format_bytes(m.saved_bytes)} | {format_bytes(m.parameter_bytes)} |"
-        for m in leaves[:top]
+        for m in by_memory[:top]
     ]
+
+    def step_flops(m: ModuleStats) -> int:
+        return (m.forward_flops or 0) + (m.backward_flops or 0)
+
+    by_flops = sorted((m for m in leaves if step_flops(m) > 0), key=step_flops, reverse=True)
+    rows += [
+        "",
+        "**By FLOPs of one batch (forward + backward)**",
+        "",
+        "| module | type | forward | backward |",
+    ]
+    rows.append("|---|---|---|---|")
+    for m in by_flops[:top]:
+        forward, backward = human_flops(m.forward_flops or 0), human_flops(m.backward_flops or 0)
+        rows.append(f"| `{m.path}` | {m.type_name} | {forward} | {backward} |")
     return "\n".join(rows)
 
 

@@ -82,8 +82,11 @@ def scalars(tmp_path: Path) -> dict[str, list[float]]:
 
 def test_estimate_logged_and_within_two_percent_of_measured(tmp_path: Path) -> None:
     memest = MemEstimate()
-    fit(Classifier(), tmp_path, [memest])
-    assert memest.estimate is not None
+    module = Classifier()
+    fit(module, tmp_path, [memest])
+    assert memest.estimate is not None and memest.estimate.flops is not None
+    # MFU for ThroughputMonitor: forward + backward FLOPs of one batch
+    assert module.flops_per_batch == memest.estimate.flops.forward + (memest.estimate.flops.backward or 0)
     assert len(memest.measured) == 2
     for step in memest.measured:
         assert abs(step.error_pct) <= 2.0, step
@@ -91,6 +94,7 @@ def test_estimate_logged_and_within_two_percent_of_measured(tmp_path: Path) -> N
     for name in ("first_step", "steady_state"):
         for key in ("estimated_bytes", "measured_bytes", "error_pct"):
             assert f"memest/{name}/{key}" in logged
+    assert logged["memest/flops/forward"][0] > 0 and logged["memest/flops/backward"][0] > 0
     assert logged["memest/steady_state/measured_bytes"][-1] == memest.measured[1].peak_bytes
     acc = EventAccumulator(str(tmp_path / "tb" / "version_0"))
     acc.Reload()
@@ -112,7 +116,7 @@ def test_summary_shows_the_estimate(
     with caplog.at_level(logging.INFO, logger="lightning_memest.summary"):
         fit(Classifier(), tmp_path, [MemEstimate(max_depth=2)], max_steps=1)
     text = caplog.text
-    assert "Saved for bwd" in text
+    assert "Saved for bwd" in text and "Fwd FLOPs/step" in text and "Bwd FLOPs/step" in text
     assert "net.0" in text  # max_depth=2 is honoured
     assert "Estimated peak memory, first step (cpu)" in text
     assert "Estimated peak memory, steady state" in text

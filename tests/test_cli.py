@@ -192,12 +192,7 @@ def test_readable_outputs(capsys: pytest.CaptureFixture[str]) -> None:
         [*MLP, "--loss", "sum", "--optimizer", "none"],
         [*MLP, "--precision", "bf16-mixed"],
         [*MLP, "--precision", "bf16-true"],
-        pytest.param(
-            [*MLP, "--precision", "16-true"],
-            # Known estimator bug (accounting/kernels.py): the CPU matmul workspace model for
-            # bfloat16 also fires for float16, where the real kernels allocate none (+5.5 %).
-            marks=pytest.mark.xfail(reason="bf16 matmul workspace applied to float16", strict=False),
-        ),
+        [*MLP, "--precision", "16-true"],
         ["cli_models:make_mlp", "--model-kwargs", '{"hidden": 40}', "--input-shape", "4,4"],
     ],
     ids=[
