@@ -187,8 +187,10 @@ class MemEstimate(ModelSummary):
                 continue
             log_to_tensorboard(logger.experiment, estimate, measured, step=len(self.measured))
             if final:
+                # Own tags: log_hyperparams logs its metrics at step 0, which would make TensorBoard
+                # drop the later points of the same tags.
                 metrics = {
-                    f"memest/{_PEAK_NAMES[m.step - 1]}/{key}": float(value)
+                    f"hparams/memest_{_PEAK_NAMES[m.step - 1]}_{key}": float(value)
                     for m in self.measured
                     for key, value in (
                         ("estimated_bytes", m.estimated_bytes),
