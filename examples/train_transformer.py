@@ -22,7 +22,6 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memest import MemEstimate
-from lightning_memest.report import format_bytes
 
 VOCAB = 2000
 
@@ -74,17 +73,8 @@ def main() -> None:
     )
     trainer.fit(LanguageModel())
 
-    if memest.estimate is None:
-        return
-    print(
-        f"\nthe estimate added {memest.setup_seconds:.2f} s to fit start "
-        f"({memest.estimate.estimate_seconds:.2f} s simulating two steps)"
-    )
-    for m in memest.measured:
-        print(
-            f"step {m.step}: estimated {format_bytes(m.estimated_bytes)}, "
-            f"measured {format_bytes(m.peak_bytes)} ({m.error_pct:+.2f} %)"
-        )
+    print()
+    print(memest.describe())
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from lightning_memest.estimate import estimate_lightning_step
 from lightning_memest.measure import StepProbe, module_tensors
-from lightning_memest.report import StepEstimate
+from lightning_memest.report import StepEstimate, format_bytes
 from lightning_memest.summary import estimate_columns, footer_items, render_summary
 from lightning_memest.tensorboard import log_to_tensorboard
 
@@ -88,6 +88,32 @@ class MemEstimate(ModelSummary):
         """Wall seconds the estimate added to fit start (the batch, the simulation, the accounting)."""
         self._probe: StepProbe | None = None
         self._warned = False
+
+    def describe(self) -> str:
+        """What the callback found, in a few lines: the estimate, its cost, and the check.
+
+        Example:
+            >>> MemEstimate().describe()
+            'MemEstimate: no estimate (fit has not started, or estimating failed)'
+        """
+        estimate = self.estimate
+        if estimate is None:
+            return "MemEstimate: no estimate (fit has not started, or estimating failed)"
+        lines = [
+            f"MemEstimate ({estimate.device}, {estimate.precision}): the estimate added "
+            f"{self.setup_seconds or 0.0:.2f} s to fit start ({estimate.estimate_seconds:.2f} s simulating "
+            f"{len(estimate.peaks)} steps)"
+        ]
+        for m in self.measured:
+            lines.append(
+                f"  step {m.step}: estimated {format_bytes(m.estimated_bytes)}, "
+                f"measured {format_bytes(m.peak_bytes)} ({m.error_pct:+.2f} %)"
+            )
+        if not self.measured:
+            lines += [
+                f"  step {p.step}: estimated {format_bytes(p.bytes)} (not measured)" for p in estimate.peaks
+            ]
+        return "\n".join(lines)
 
     # --- fit start: estimate, then the summary ----------------------------------------------------------
     @override
