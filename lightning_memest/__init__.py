@@ -8,8 +8,9 @@ Example:
     33288
 """
 
+from lightning_memest.batch_size import BatchSizeResult, FitBatchSize, max_batch_size
 from lightning_memest.callback import MemEstimate
-from lightning_memest.errors import EstimationError, MemestError
+from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError, TraceError
 from lightning_memest.estimate import estimate_step
 from lightning_memest.report import (
     Breakdown,
@@ -21,15 +22,20 @@ from lightning_memest.report import (
 )
 
 __all__ = [
+    "BatchSizeResult",
     "Breakdown",
     "DataDependentRead",
     "EstimationError",
+    "FitBatchSize",
     "MemEstimate",
     "MemestError",
+    "MemoryBudgetError",
     "ModuleStats",
     "Peak",
     "StepEstimate",
     "TimelinePoint",
+    "TraceError",
     "estimate_step",
+    "max_batch_size",
 ]
 __version__ = "0.1.0.dev0"

@@ -71,6 +71,9 @@ from typing_extensions import override
 
 from lightning_memest.engine.step import LossFn, OptimizerFactory, sum_loss
 from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError
+from lightning_memest.estimate import estimate_lightning_step, estimate_step
+from lightning_memest.lightning_step import first_batch
+from lightning_memest.measure import module_tensors, resident_bytes
 from lightning_memest.report import StepEstimate, format_bytes
 
 if TYPE_CHECKING:
@@ -419,7 +422,6 @@ def max_batch_size(
         >>> r.max_batch_size, r.peak_bytes_at_max <= 2**24
         (1096, True)
     """
-    from lightning_memest.estimate import estimate_step
 
     def peak_of(n: int) -> int:
         est = estimate_step(
@@ -448,12 +450,10 @@ def lightning_max_batch_size(
 ) -> BatchSizeResult:
     """:func:`max_batch_size` for a LightningModule as ``trainer`` trains it.
 
-    ``batch`` is one batch of the train dataloader (``callback.first_batch``); its tensors whose leading
+    ``batch`` is one batch of the train dataloader (``lightning_step.first_batch``); its tensors whose leading
     size is ``batch_size`` (default: :func:`batch_size_of` the batch) are resized on the meta device for
     each probe, and ``estimate_lightning_step`` runs the module's own ``training_step``.
     """
-    from lightning_memest.estimate import estimate_lightning_step
-
     old = batch_size_of(batch) if batch_size is None else batch_size
 
     def peak_of(n: int) -> int:
@@ -651,8 +651,6 @@ class FitBatchSize(Callback):
         if self.budget is not None:
             budget = self.budget
         else:
-            from lightning_memest.measure import module_tensors, resident_bytes
-
             device = trainer.strategy.root_device
             # On CPU the weights already take host memory that MemAvailable no longer shows, and the
             # estimate counts them: give them back. (On CUDA the allocator's reserved bytes do that.)
@@ -662,7 +660,6 @@ class FitBatchSize(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning_memest.callback import first_batch  # callback.py builds on this module
 
         if not lightning_hasattr(pl_module, self.attr_name):
             raise MemestError(

@@ -10,19 +10,27 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
+from lightning_memest.batch_size import (
+    batch_size_of,
+    device_budget,
+    lightning_max_batch_size,
+    parse_size,
+    precheck,
+)
 from lightning_memest.estimate import estimate_lightning_step
-from lightning_memest.measure import StepProbe, module_tensors
+from lightning_memest.lightning_step import first_batch
+from lightning_memest.measure import StepProbe, module_tensors, resident_bytes
 from lightning_memest.report import StepEstimate, format_bytes
 from lightning_memest.summary import estimate_columns, footer_items, render_summary
 from lightning_memest.tensorboard import log_to_tensorboard
@@ -65,6 +73,13 @@ class MemEstimate(ModelSummary):
     It takes the place of Lightning's ``ModelSummary`` (``max_depth`` and the other arguments mean
     the same). A failure while estimating or measuring is one warning, never an error.
 
+    Before the first step it also compares the estimated peak with the memory the device has
+    (``memory_check``: ``"warn"`` (default), ``"raise"`` -- a ``MemoryBudgetError`` that stops fit
+    before any real step and names the largest batch size that fits --, or ``"off"``). The budget is
+    ``memory_budget`` (bytes or ``"10GiB"``) or what ``batch_size.device_budget`` finds: CUDA's free
+    memory less ``memory_margin_bytes`` and the caching allocator's overhead, or the CPU's available
+    memory.
+
     Example:
         >>> import lightning.pytorch as pl
         >>> from lightning.pytorch.demos.boring_classes import BoringModel
@@ -77,9 +92,24 @@ class MemEstimate(ModelSummary):
         0.0
     """
 
-    def __init__(self, max_depth: int = 1, *, check: bool = True, **summarize_kwargs: Any) -> None:
+    def __init__(
+        self,
+        max_depth: int = 1,
+        *,
+        check: bool = True,
+        memory_check: Literal["off", "warn", "raise"] = "warn",
+        memory_budget: int | str | None = None,
+        memory_margin_bytes: int | None = None,
+        **summarize_kwargs: Any,
+    ) -> None:
         super().__init__(max_depth=max_depth, **summarize_kwargs)
+        if memory_check not in ("off", "warn", "raise"):
+            raise ValueError(f"memory_check must be 'off', 'warn' or 'raise'; got {memory_check!r}")
         self.check = check
+        self.memory_check = memory_check
+        self.memory_budget = memory_budget
+        self.memory_margin_bytes = memory_margin_bytes
+        self._batch: Any = None
         self.estimate: StepEstimate | None = None
         """The estimate made on fit start (``None`` before, or if it failed)."""
         self.measured: list[MeasuredStep] = []
@@ -128,12 +158,40 @@ class MemEstimate(ModelSummary):
             self._log_estimate(trainer, self.estimate)
         if self._max_depth:
             self._safely("printing the model summary", lambda: self._print_summary(trainer, pl_module))
+        if self.estimate is not None and self.memory_check != "off":
+            # Not through _safely: with memory_check="raise" the error must stop fit before any step.
+            self._precheck(trainer, pl_module, self.estimate)
+        self._batch = None
+
+    def _precheck(self, trainer: pl.Trainer, pl_module: pl.LightningModule, estimate: StepEstimate) -> None:
+        device = trainer.strategy.root_device
+        if self.memory_budget is not None:
+            budget = (
+                parse_size(self.memory_budget) if isinstance(self.memory_budget, str) else self.memory_budget
+            )
+        else:
+            resident = resident_bytes(module_tensors(pl_module)) if device.type == "cpu" else 0
+            budget = device_budget(device, margin_bytes=self.memory_margin_bytes, resident_bytes=resident)
+        batch = self._batch
+        size = batch_size_of(batch)
+
+        def max_fit() -> int:
+            return lightning_max_batch_size(trainer, pl_module, batch, budget, batch_size=size).max_batch_size
+
+        result = precheck(estimate, budget, batch_size=size, max_fit=max_fit)
+        # Under DDP every rank must decide alike, or the ranks that go on would wait for the others.
+        if trainer.strategy.reduce_boolean_decision(result.fits, all=True):
+            return
+        if self.memory_check == "raise":
+            raise result.error()
+        rank_zero_warn(f"MemEstimate: {result.message}")
 
     def _estimate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> StepEstimate:
         device = trainer.strategy.root_device
         # A fresh (shuffling) iterator draws its seed from the global RNG: training must not notice.
         with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
             batch = first_batch(trainer, pl_module)
+        self._batch = batch  # for the memory pre-check's batch-size search
         return estimate_lightning_step(trainer, pl_module, batch, steps=CHECKED_STEPS)
 
     def _print_summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -259,24 +317,6 @@ def _set_flops_per_batch(pl_module: pl.LightningModule, estimate: StepEstimate) 
     """Lightning's ThroughputMonitor reads ``flops_per_batch`` to report MFU; a user's value wins."""
     if estimate.flops is not None and getattr(pl_module, "flops_per_batch", None) is None:
         setattr(pl_module, "flops_per_batch", estimate.flops.forward + (estimate.flops.backward or 0))  # noqa: B010
-
-
-def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
-    """One batch from a fresh iterator over the train dataloader(s) the trainer will use.
-
-    Falls back to the module's ``example_input_array``. ``on_before_batch_transfer`` is applied, as
-    the fit loop would; ``on_after_batch_transfer`` runs inside the simulation, on fake tensors.
-    """
-    source = trainer.fit_loop._data_source
-    if source.is_defined():
-        loaders = source.dataloader()
-        combined = CombinedLoader(loaders, "max_size_cycle")
-        batch, _, _ = next(iter(combined))
-    elif pl_module.example_input_array is not None:
-        batch = pl_module.example_input_array
-    else:
-        raise ValueError("no train dataloader and no example_input_array to take a batch from")
-    return pl_module.on_before_batch_transfer(batch, 0)
 
 
 def _resident_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[Tensor]:

@@ -44,3 +44,11 @@ class MemoryBudgetError(MemestError):
         self.budget_bytes = budget_bytes
         self.batch_size = batch_size
         self.max_batch_size = max_batch_size
+
+
+class TraceError(MemestError):
+    """A model could not be traced into a ``torch.fx`` graph, so it has no node-level profile.
+
+    The message carries fx's reason (typically Python control flow on a tensor's value). The
+    module-level estimate (``estimate_step``) needs no trace and still works for such a model.
+    """

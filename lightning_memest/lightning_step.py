@@ -26,6 +26,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
 
 from lightning_memest.engine.fake import setattr_raw
@@ -248,3 +249,21 @@ def lightning_runner_factory(trainer: pl.Trainer) -> Callable[[nn.Module, StepLi
         )
 
     return make
+
+
+def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """One batch from a fresh iterator over the train dataloader(s) the trainer will use.
+
+    Falls back to the module's ``example_input_array``. ``on_before_batch_transfer`` is applied, as
+    the fit loop would; ``on_after_batch_transfer`` runs inside the simulation, on fake tensors.
+    """
+    source = trainer.fit_loop._data_source
+    if source.is_defined():
+        loaders = source.dataloader()
+        combined = CombinedLoader(loaders, "max_size_cycle")
+        batch, _, _ = next(iter(combined))
+    elif pl_module.example_input_array is not None:
+        batch = pl_module.example_input_array
+    else:
+        raise ValueError("no train dataloader and no example_input_array to take a batch from")
+    return pl_module.on_before_batch_transfer(batch, 0)

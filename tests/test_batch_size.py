@@ -133,6 +133,7 @@ def test_max_batch_size_against_estimator_and_ground_truth(
     budget = (estimate(8) + estimate(9)) // 2
     r = max_batch_size(case.model, make, budget, loss_fn=cfg.loss_fn, optimizer=cfg.optimizer, start=3)
     assert r.max_batch_size == 8
+    assert r.peak_bytes_at_max is not None
     assert estimate(8) == r.peak_bytes_at_max <= budget < estimate(9)  # exact w.r.t. the estimator
     assert len(r.probes) <= 6
     # The meta batch estimates the same as the real one.
@@ -233,11 +234,9 @@ class Net(pl.LightningModule):
         else:
             self.batch_size = batch_size
         self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
-        self.seen: list[int] = []
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
-        self.seen.append(x.shape[0])
         return F.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -251,7 +250,7 @@ def _data() -> TensorDataset:
 
 class WithLoader(Net):
     def train_dataloader(self) -> DataLoader[Any]:
-        size = self.hparams["batch_size"] if "batch_size" in self.hparams else self.batch_size
+        size = self.hparams.get("batch_size") or self.batch_size  # hparams, or the attribute
         return DataLoader(_data(), batch_size=size)
 
 
@@ -264,13 +263,25 @@ class Data(pl.LightningDataModule):
         return DataLoader(_data(), batch_size=self.batch_size)
 
 
-def _fit(module: pl.LightningModule, callback: FitBatchSize, datamodule: Any = None) -> pl.Trainer:
+class Seen(pl.Callback):
+    """The sizes of the real batches (the estimator's fake runs call training_step, not this hook)."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.sizes.append(batch[0].shape[0])
+
+
+def _fit(module: pl.LightningModule, callback: FitBatchSize, datamodule: Any = None) -> list[int]:
+    seen = Seen()
     trainer = pl.Trainer(
-        callbacks=[callback], max_steps=1, logger=False, enable_checkpointing=False,
+        callbacks=[callback, seen], max_steps=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
     )  # fmt: skip
     trainer.fit(module, datamodule=datamodule)
-    return trainer
+    assert trainer.train_dataloader is not None
+    return seen.sizes
 
 
 BUDGET = 2**20  # about 1 MiB: the answer is a few dozen samples
@@ -285,11 +296,10 @@ def test_fit_batch_size_sets_the_dataloader(where: str) -> None:
         data: Data | None = Data()
     else:
         module, data = WithLoader(hparam=where == "hparams"), None
-    trainer = _fit(module, callback, data)
+    seen = _fit(module, callback, data)
     r = callback.result
     assert r is not None and 4 < r.max_batch_size < 512
-    assert module.seen == [r.max_batch_size]
-    assert trainer.train_dataloader is not None
+    assert seen == [r.max_batch_size]
     holder: Any = data if data is not None else (module.hparams if where == "hparams" else module)
     value = holder["batch_size"] if where == "hparams" else holder.batch_size
     assert value == r.max_batch_size
@@ -298,8 +308,16 @@ def test_fit_batch_size_sets_the_dataloader(where: str) -> None:
 
 
 def test_fit_batch_size_raises_before_any_step() -> None:
-    module = WithLoader()
+    seen = Seen()
+    trainer = pl.Trainer(
+        callbacks=[FitBatchSize("16KiB"), seen],
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        accelerator="cpu",
+    )
     with pytest.raises(MemoryBudgetError, match="even batch size 1") as info:
-        _fit(module, FitBatchSize("16KiB"))
+        trainer.fit(WithLoader())
     assert info.value.batch_size == 4 and info.value.max_batch_size == 0
-    assert module.seen == []
+    assert seen.sizes == []

@@ -245,3 +245,26 @@ def test_a_failing_estimate_is_one_warning_and_training_goes_on(tmp_path: Path) 
     assert sum("MemEstimate" in str(w.message) for w in record) == 1
     assert memest.estimate is None and memest.measured == []
     assert trainer.global_step == 3
+
+
+def test_memory_precheck_raises_before_any_step(tmp_path: Path) -> None:
+    from lightning_memest import MemoryBudgetError
+
+    class Counting(Classifier):
+        steps_run = 0  # real batches only: the simulation calls training_step, not this hook
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            Counting.steps_run += 1
+
+    memest = MemEstimate(memory_check="raise", memory_budget="1MiB")
+    with pytest.raises(MemoryBudgetError) as info:
+        fit(Counting(), tmp_path, [memest])
+    assert Counting.steps_run == 0
+    message = str(info.value)
+    assert "batch size 16" in message and "1.00 MiB" in message and "largest batch size that fits" in message
+    assert info.value.max_batch_size is not None and 0 <= info.value.max_batch_size < 16
+
+
+def test_memory_precheck_warns_with_the_batch_size_that_fits(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="largest batch size that fits is"):
+        fit(Classifier(), tmp_path, [MemEstimate(memory_budget=1_300_000)], max_steps=1)

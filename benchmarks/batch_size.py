@@ -1,0 +1,57 @@
+"""How fast ``max_batch_size`` finds the largest batch size within a budget, per model.
+
+Run: ``python benchmarks/batch_size.py [--budget 8GiB] [--json]``. For each model it prints the max batch
+size, the estimated peak there, the number of probes (estimator runs of two steps each) and the seconds.
+The search is exact with respect to the estimator; the check column confirms it from the probes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # models:TinyGPT
+
+from lightning_memest.batch_size import case_batch_maker, max_batch_size, parse_size
+from lightning_memest.models import InputSpec, build_case
+from lightning_memest.report import format_bytes
+
+MODELS: list[tuple[str, InputSpec, dict[str, Any] | None]] = [
+    ("torchvision.models:resnet18", InputSpec(8, shape=(3, 224, 224)), None),
+    ("torchvision.models:resnet50", InputSpec(8, shape=(3, 224, 224)), None),
+    ("torchvision.models:mobilenet_v2", InputSpec(8, shape=(3, 224, 224)), None),
+    ("models:TinyGPT", InputSpec(8, tokens=128, vocab=1000), None),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--budget", default="8GiB")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    budget = parse_size(args.budget)
+    rows = []
+    for spec, inputs, kwargs in MODELS:
+        case = build_case(spec, inputs, model_kwargs=kwargs)
+        cfg = case.config
+        r = max_batch_size(
+            case.model, case_batch_maker(case), budget, loss_fn=cfg.loss_fn, optimizer=cfg.optimizer
+        )
+        peaks = dict(r.probes)
+        exact = r.capped or peaks[r.max_batch_size] <= budget < peaks[r.max_batch_size + 1]
+        rows.append({"model": spec, **r.to_json(), "exact": exact})
+        if not args.json:
+            print(
+                f"{spec:<34} max {r.max_batch_size:>6}  peak {format_bytes(r.peak_bytes_at_max or 0):>10}"
+                f"  {len(r.probes):>2} probes  {r.seconds:6.2f} s  exact {exact}",
+                flush=True,
+            )
+    if args.json:
+        print(json.dumps({"budget_bytes": budget, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
