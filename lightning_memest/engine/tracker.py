@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensorMode,
 )
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_leaves
 
 from lightning_memest.engine import data_dependent
 from lightning_memest.engine.events import (
@@ -192,8 +192,8 @@ class Tracker:
         call = (
             OpCall(
                 func,
-                tree_map_only(Tensor, TensorMeta.of, args),
-                tree_map_only(Tensor, TensorMeta.of, kwargs),
+                tuple(_meta(a) for a in args),
+                {k: _meta(v) for k, v in kwargs.items()},
                 tuple(TensorMeta.of(t) if isinstance(t, Tensor) else None for t in tree_leaves(out)),
                 _device_type(args, leaves),
             )
@@ -250,6 +250,16 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
                 self._depth -= 1
 
         return self.tracker.run_op(run, func, tuple(args), kwargs)
+
+
+def _meta(value: Any) -> Any:
+    """An aten argument with tensors replaced by ``TensorMeta`` (aten args nest one list deep at most);
+    a hand-written map, as pytree's costs more than the rest of recording an op."""
+    if isinstance(value, Tensor):
+        return TensorMeta.of(value)
+    if isinstance(value, (list, tuple)) and any(isinstance(v, Tensor) for v in value):
+        return type(value)(TensorMeta.of(v) if isinstance(v, Tensor) else v for v in value)
+    return value
 
 
 def _is_below(path: str, ancestor: str) -> bool:
