@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -11,7 +13,8 @@ import torch
 from torch import nn
 
 from lightning_memest.accounting import flops, kernels
-from lightning_memest.accounting.allocator import ROLE_ORDER, Replay, replay
+from lightning_memest.accounting.allocator import ROLE_ORDER, Replay, replay, replay_caching_allocator
+from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
 from lightning_memest.engine.events import Alloc, DataDependent, Event, OpEvent, Role, Tag
 from lightning_memest.engine.simulate import Simulation, simulate
 from lightning_memest.engine.step import (
@@ -107,10 +110,25 @@ def estimate_from(model: nn.Module, sim: Simulation, precision: str) -> StepEsti
     steps = sim.steps
     result = replay(sim.events, steps, kernels.kernel_memory)
     flop_count = flops.count_flops(sim.events)
+    peaks = _peaks(result)
+    reserved: tuple[int, ...] | None = None
+    if sim.device.type == "cuda":
+        # What torch.cuda.max_memory_allocated/reserved count: whole blocks of the caching allocator,
+        # and its segments. The breakdown stays in exact bytes.
+        device_peaks = replay_caching_allocator(
+            sim.events,
+            steps,
+            _cuda_allocator_model(),
+            kernels.kernel_memory,
+        )
+        peaks = tuple(
+            dataclasses.replace(p, bytes=b) for p, b in zip(peaks, device_peaks.allocated, strict=False)
+        )
+        reserved = device_peaks.reserved
     return StepEstimate(
         device=str(sim.device),
         precision=precision,
-        peaks=_peaks(result),
+        peaks=peaks,
         modules=_module_tree(model, sim.events, result, flop_count),
         timeline=tuple(
             TimelinePoint(
@@ -119,10 +137,16 @@ def estimate_from(model: nn.Module, sim: Simulation, precision: str) -> StepEsti
             for s in result.samples
         ),
         data_dependent=_data_dependent_reads(sim.events),
-        reserved_bytes=None,
+        reserved_bytes=reserved,
         flops=flop_count,
         estimate_seconds=sim.seconds,
     )
+
+
+def _cuda_allocator_model() -> CudaCachingAllocator:
+    """The caching allocator configured as this process's would be (PYTORCH_CUDA_ALLOC_CONF)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    return CudaCachingAllocator.from_alloc_conf(conf)
 
 
 def _captured(op: torch._ops.OpOverload) -> bool:

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-import lightning_memest.allocator as allocator_module
+import lightning_memest.accounting.cuda_allocator as allocator_module
 from lightning_memest.allocator import CudaCachingAllocator
 
 KiB = 1024

@@ -3,7 +3,8 @@
 ``replay`` is the exact model of an allocator that hands out what is asked for and takes it back at
 once (PyTorch's CPU allocator): live bytes are the sum of the live storages' sizes, plus what kernel
 models say real kernels allocate beyond the fake ones (under-reported outputs, transient workspaces).
-The CUDA caching allocator model comes later and consumes the same stream.
+``replay_caching_allocator`` feeds the same stream to the CUDA caching allocator model
+(``accounting/cuda_allocator.py``) for the block-rounded allocated and the reserved peaks.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
 from lightning_memest.engine.events import Alloc, Event, Free, OpCall, OpEvent, Resize, Role, Tag
 
 ROLE_ORDER: tuple[Role, ...] = tuple(Role)
@@ -161,3 +163,70 @@ def replay(events: Sequence[Event], steps: int, kernel_fn: KernelFn | None = Non
         replayer.feed(e)
     result = replayer.finish()
     return Replay(result.samples, result.peaks, roles)
+
+
+@dataclass(frozen=True)
+class DevicePeaks:
+    """Per-step peaks as a device allocator model counts them (what ``torch.cuda.max_memory_*`` say)."""
+
+    allocated: tuple[int, ...]
+    reserved: tuple[int, ...]
+
+
+def replay_caching_allocator(
+    events: Sequence[Event], steps: int, allocator: CudaCachingAllocator, kernel_fn: KernelFn | None = None
+) -> DevicePeaks:
+    """Replay the events through ``allocator``; peak statistics reset at each step, as ``measure`` does.
+
+    Every storage is one ``malloc`` (rounded, carved from segments, cached on ``free``), so
+    ``allocated`` counts whole blocks and ``reserved`` the segments, unlike the exact ``replay``.
+    A kernel's workspace is allocated after its outputs (or before, per the model) and freed before
+    the next op. What lives before the first op (parameters, the batch) is allocated first.
+    """
+    handles: dict[int, int] = {}
+    extra: dict[int, int] = {}
+    allocated: list[int] = []
+    reserved: list[int] = []
+    step = 0
+    workspace = 0  # the current op's, held once its outputs are allocated
+
+    def close_workspace() -> None:
+        nonlocal workspace
+        if workspace:
+            allocator.free(allocator.malloc(workspace))
+            workspace = 0
+
+    for e in events:
+        kind = type(e)
+        if workspace and kind is not Alloc:
+            close_workspace()  # the op's outputs are all allocated, nothing freed yet: its high point
+        if kind is Alloc:
+            assert isinstance(e, Alloc)
+            handles[e.storage] = allocator.malloc(e.nbytes + extra.pop(e.storage, 0))
+        elif kind is Free:
+            assert isinstance(e, Free)
+            allocator.free(handles.pop(e.storage))
+        elif kind is Resize:
+            assert isinstance(e, Resize)
+            allocator.free(handles.pop(e.storage))
+            handles[e.storage] = allocator.malloc(e.nbytes)
+        elif kind is OpEvent:
+            assert isinstance(e, OpEvent)
+            while e.step > step and step < steps - 1:
+                allocated.append(allocator.peak_allocated_bytes)
+                reserved.append(allocator.peak_reserved_bytes)
+                allocator.reset_peak_stats()
+                step += 1
+            effect = kernel_fn(e.call) if kernel_fn is not None and e.call is not None else None
+            if effect is not None:
+                if effect.extra_output_bytes is not None and e.outputs is not None:
+                    for handle, more in zip(e.outputs, effect.extra_output_bytes, strict=False):
+                        extra[handle] = extra.get(handle, 0) + more
+                if effect.workspace_after_outputs:
+                    workspace = effect.workspace_bytes
+                elif effect.workspace_bytes:
+                    allocator.free(allocator.malloc(effect.workspace_bytes))
+    close_workspace()
+    allocated.append(allocator.peak_allocated_bytes)
+    reserved.append(allocator.peak_reserved_bytes)
+    return DevicePeaks(tuple(allocated), tuple(reserved))

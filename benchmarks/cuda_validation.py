@@ -1,0 +1,98 @@
+"""Estimate vs measurement on a real GPU: allocated and reserved peaks, per model (issue 6's check).
+
+Run on a machine with a CUDA device (it exits with a message otherwise):
+
+    python benchmarks/cuda_validation.py [--quick] [--json]
+
+For each case of the visible set (tests/test_accuracy.py), ``estimate_case(device="cuda")`` (fake CUDA
+tensors; the caching allocator model gives allocated and reserved) against ``measure_case(device=
+"cuda")`` (``torch.cuda.max_memory_allocated``/``max_memory_reserved``, reset before each step). Prints
+a markdown table with the GPU's name and the date, for the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_memest.models import build_case, estimate_case, measure_case  # noqa: E402
+from tests.test_accuracy import CASES, case_input  # noqa: E402
+
+
+def error(estimated: int, measured: int) -> float:
+    return 100.0 * (estimated - measured) / measured
+
+
+def run(spec: str, batch_size: int, optimizer: str, precision: str) -> dict[str, Any]:
+    case = build_case(spec, case_input(spec, batch_size), optimizer=optimizer, precision=precision)
+    est = estimate_case(case, device="cuda")
+    torch.cuda.empty_cache()
+    real = measure_case(case, device="cuda")
+    del case
+    torch.cuda.empty_cache()
+    assert est.reserved_bytes is not None and real.reserved_bytes is not None
+    return {
+        "model": spec.split(":")[1],
+        "batch": batch_size,
+        "optimizer": optimizer,
+        "precision": precision,
+        "allocated_error_pct": [error(p.bytes, m) for p, m in zip(est.peaks, real.peak_bytes, strict=True)],
+        "reserved_error_pct": [
+            error(e, m) for e, m in zip(est.reserved_bytes, real.reserved_bytes, strict=True)
+        ],
+        "estimated": [p.bytes for p in est.peaks],
+        "measured": list(real.peak_bytes),
+        "estimated_reserved": list(est.reserved_bytes),
+        "measured_reserved": list(real.reserved_bytes),
+        "estimate_seconds": est.estimate_seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="the first four cases only")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("cuda_validation: no CUDA device here; run it on a machine with a GPU")
+    rows = []
+    for spec, batch_size, optimizer, precision in CASES[:4] if args.quick else CASES:
+        print(f"... {spec} b{batch_size} {optimizer} {precision}", file=sys.stderr, flush=True)
+        rows.append(run(spec, batch_size, optimizer, precision))
+    name = torch.cuda.get_device_name()
+    print(f"{name}, torch {torch.__version__}, {datetime.date.today().isoformat()}\n")
+    print(
+        "| model | batch | optimizer | precision | allocated error step 1 / steady | reserved error step 1 / steady |"
+    )
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        a1, a2 = r["allocated_error_pct"]
+        r1, r2 = r["reserved_error_pct"]
+        print(
+            f"| {r['model']} | {r['batch']} | {r['optimizer']} | {r['precision']} "
+            f"| {a1:+.2f} % / {a2:+.2f} % | {r1:+.2f} % / {r2:+.2f} % |"
+        )
+    allocated = [abs(e) for r in rows for e in r["allocated_error_pct"]]
+    reserved = [abs(e) for r in rows for e in r["reserved_error_pct"]]
+    print(
+        f"\nallocated |error| median {statistics.median(allocated):.2f} %, max {max(allocated):.2f} %; "
+        f"reserved |error| median {statistics.median(reserved):.2f} %, max {max(reserved):.2f} %"
+    )
+    if args.json:
+        print(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
