@@ -73,9 +73,8 @@ def main() -> None:
         rows.append(run(spec, batch_size, optimizer, precision))
     name = torch.cuda.get_device_name()
     print(f"{name}, torch {torch.__version__}, {datetime.date.today().isoformat()}\n")
-    print(
-        "| model | batch | optimizer | precision | allocated error step 1 / steady | reserved error step 1 / steady |"
-    )
+    headers = ["model", "batch", "optimizer", "precision", "allocated error 1 / 2", "reserved error 1 / 2"]
+    print("| " + " | ".join(headers) + " |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         a1, a2 = r["allocated_error_pct"]
