@@ -66,7 +66,8 @@ class MemEstimate(ModelSummary):
     batches are then measured (CUDA: ``max_memory_allocated``/``max_memory_reserved``; CPU: the
     allocator's events in ``torch.profiler``), and estimated, measured and the error are logged:
     ``memest/first_step/{estimated_bytes,measured_bytes,error_pct}`` and the same under
-    ``memest/steady_state/`` (plus ``measured_reserved_bytes`` on CUDA), and ``memest/flops/forward``,
+    ``memest/steady_state/`` (plus ``estimated_reserved_bytes``/``measured_reserved_bytes`` on CUDA),
+    and ``memest/flops/forward``,
     ``memest/flops/backward``. It sets ``pl_module.flops_per_batch`` (forward + backward FLOPs of one
     batch) unless you did, so ``ThroughputMonitor`` reports MFU. After the check it costs nothing.
 
@@ -293,6 +294,9 @@ class MemEstimate(ModelSummary):
         }
         if measured.reserved_bytes is not None:
             metrics[f"memest/{name}/measured_reserved_bytes"] = float(measured.reserved_bytes)
+        if self.estimate is not None and self.estimate.reserved_bytes is not None:
+            estimated = self.estimate.reserved_bytes[measured.step - 1]
+            metrics[f"memest/{name}/estimated_reserved_bytes"] = float(estimated)
         self._log(trainer, metrics, step=measured.step)
 
     @staticmethod
