@@ -44,6 +44,7 @@ from typing import Any, NoReturn, TextIO
 from lightning_memest.batch_size import DEFAULT_CAP, case_batch_maker, max_batch_size, parse_size
 from lightning_memest.engine.step import PRECISIONS
 from lightning_memest.errors import MemestError
+from lightning_memest.fx import MODULE_ORDERS, NODE_ORDERS, module_rows, module_table, profile_graph
 from lightning_memest.models import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_LOSS,
@@ -125,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Estimate the memory of one PyTorch training step on fake tensors; measure it for real.",
     )
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{estimate,measure,compare,max-batch-size}"
+        dest="command", required=True, metavar="{estimate,measure,compare,profile,max-batch-size}"
     )
     model_help = "package.module:name of an nn.Module class or factory (the current directory is importable)"
     for name, help_text in (
@@ -143,7 +144,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("models", metavar="MODEL", nargs="+", help=model_help)
     _add_case_flags(p)
     _add_max_batch_size_parser(sub, model_help)
+    _add_profile_parser(sub, model_help)
     return parser
+
+
+def _add_profile_parser(sub: Any, model_help: str) -> None:
+    help_text = "what each graph node (or module) saves for backward, allocates and computes in one step"
+    p = sub.add_parser("profile", help=help_text, description=help_text)
+    p.add_argument("model", metavar="MODEL", help=model_help)
+    _add_case_flags(p)
+    p.add_argument(
+        "--by",
+        choices=("node", "module"),
+        default="node",
+        help="a row per torch.fx graph node (the model must be traceable by symbolic_trace) or per module "
+        "(default node)",
+    )
+    p.add_argument(
+        "--sort",
+        metavar="FIGURE",
+        default=None,
+        help=f"sort by a figure, largest first: for nodes {', '.join(NODE_ORDERS[1:])}; for modules "
+        f"{', '.join(MODULE_ORDERS[1:])} (default: graph order / module tree order)",
+    )
+    p.add_argument("--top", type=int, default=None, metavar="N", help="only the first N rows")
 
 
 def _add_max_batch_size_parser(sub: Any, model_help: str) -> None:
@@ -349,6 +373,38 @@ def _compare(args: argparse.Namespace, out: TextIO) -> None:
             print(line.rstrip(), file=out)
 
 
+def _profile(args: argparse.Namespace, out: TextIO) -> None:
+    if args.top is not None and args.top < 0:
+        raise SpecError(f"--top must be at least 0; got {args.top}")
+    orders = NODE_ORDERS if args.by == "node" else MODULE_ORDERS
+    order = args.sort or orders[0]
+    if order not in orders:
+        raise SpecError(f"--sort for --by {args.by} must be one of {', '.join(orders)}; got {order!r}")
+    inputs = _input_spec(args)
+    case = _build(args.model, args, inputs, _model_kwargs(args.model_kwargs))
+    if args.by == "node":
+        profile = profile_graph(
+            case.model,
+            case.batch,
+            loss_fn=case.config.loss_fn,
+            precision=case.config.precision,
+            device=args.device,
+        )
+        if args.json:
+            print(json.dumps(profile.to_json(order, args.top)), file=out)
+            return
+        print(f"node profile of {args.model} ({_settings(args, inputs)}; first step)", file=out)
+        print(profile.table(top=args.top, by=order), file=out)
+        print(f"\n  profiled in {profile.seconds:.2f} s", file=out)
+        return
+    est = estimate_case(case, device=args.device, steps=1)
+    if args.json:
+        print(json.dumps(module_rows(est.modules, order, args.top)), file=out)
+        return
+    print(f"module profile of {args.model} ({_settings(args, inputs)}; first step)", file=out)
+    print(module_table(est.modules, order, args.top), file=out)
+
+
 def _max_batch_size(args: argparse.Namespace, out: TextIO) -> None:
     try:
         budget = parse_size(args.memory_budget)
@@ -392,6 +448,7 @@ _COMMANDS = {
     "measure": _measure,
     "compare": _compare,
     "max-batch-size": _max_batch_size,
+    "profile": _profile,
 }
 
 

@@ -316,3 +316,19 @@ def test_a_forward_that_reads_values_falls_back_to_a_real_probe() -> None:
 def test_docstring_examples(module: Any) -> None:
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+
+
+# ------------------------------------------------------------------------------------------- profile
+
+
+def test_profile_by_node_and_by_module(capsys: pytest.CaptureFixture[str]) -> None:
+    profile = run_json(capsys, "profile", *MLP)
+    assert {"fwd_in", "fwd_tmp", "fwd_out", "bwd_tmp", "bwd_out", "fwd_flops", "bwd_flops"} <= set(
+        profile["nodes"][0]
+    )
+    modules = run_json(capsys, "profile", *MLP, "--by", "module", "--sort", "saved", "--top", "2")
+    assert len(modules) == 2 and modules[0]["saved_bytes"] >= modules[1]["saved_bytes"]
+    code, out, err = run(capsys, "profile", *MLP, "--top", "3")
+    assert code == 0 and "fwd_in" in out and "bwd FLOPs" in out
+    code, out, err = run(capsys, "profile", *MLP, "--sort", "nope")
+    assert code == 2 and err.startswith("memest: error: --sort") and len(err.strip().splitlines()) == 1
