@@ -58,6 +58,7 @@ def meta_floor_seconds(case: Case) -> float:
     batch = tree_map_only(torch.Tensor, to_meta, case.batch)
     start = time.perf_counter()
     runner = StepRunner(model, case.config)
+    runner.device_type = "cpu"  # autocast has no meta device; the CPU one leaves meta tensors alone
     for _ in range(2):
         runner.run(batch)
     return time.perf_counter() - start
@@ -142,6 +143,7 @@ def main() -> None:
     for spec, batch_size, optimizer, precision in QUICK if args.quick else CASES:
         print(f"... {spec} b{batch_size} {optimizer} {precision}", file=sys.stderr, flush=True)
         rows.append(run_case(spec, batch_size, optimizer, precision, args.repeats))
+        print(f"    {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU\n")
     columns = ["model", "batch", "optimizer", "precision", "estimate s", "meta floor s", "ratio"]
