@@ -90,7 +90,7 @@ def run_case(spec: str, batch_size: int, optimizer: str, precision: str, repeats
 
 
 _SEVEN_B = r"""
-import json, os, resource, sys, time
+import json, os, sys, time
 import torch
 sys.path.insert(0, sys.argv[1])
 from tests.models import TinyGPT, lm_loss
@@ -107,7 +107,9 @@ est = estimate_step(
     model, (tokens, tokens), loss_fn=lm_loss, optimizer=torch.optim.AdamW, precision="bf16-mixed"
 )
 seconds = time.perf_counter() - start
-peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+# VmHWM: this process's own peak resident memory (ru_maxrss would carry the parent's over the fork).
+with open("/proc/self/status") as f:
+    peak_rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 print(json.dumps({"params": sum(p.numel() for p in model.parameters()), "seconds": seconds,
                   "rss_growth": max(0, peak_rss - before), "peak_bytes": [p.bytes for p in est.peaks]}))
 """
