@@ -14,6 +14,9 @@ process's peak resident-memory growth during the estimate (in a fresh subprocess
 
     python benchmarks/benchmark.py            # everything (about 10 minutes on 2 cores)
     python benchmarks/benchmark.py --quick    # three models, no 7B run
+
+Last, the cost of counting FLOPs in the same run: a simulation that captures only what the kernel
+models need, against one that also captures for the FLOP formulas and counts them.
 """
 
 from __future__ import annotations
@@ -89,6 +92,29 @@ def run_case(spec: str, batch_size: int, optimizer: str, precision: str, repeats
     }
 
 
+def flop_overhead(case: Case, repeats: int) -> tuple[float, float]:
+    """Seconds of a simulation capturing only what the kernel models need, and of one that also
+    captures for FLOPs and counts them (min of ``repeats``, interleaved: the machine is noisy)."""
+    from lightning_memest.accounting import flops, kernels
+    from lightning_memest.engine.simulate import simulate
+
+    def kernels_only(op: torch._ops.OpOverload) -> bool:
+        return kernels.kernel_model_for(op) is not None
+
+    def with_flops(op: torch._ops.OpOverload) -> bool:
+        return kernels_only(op) or flops.captures_flops(op)
+
+    plain: list[float] = []
+    counted: list[float] = []
+    for _ in range(repeats):
+        plain.append(simulate(case.model, case.batch, case.config, capture=kernels_only).seconds)
+        start = time.perf_counter()
+        sim = simulate(case.model, case.batch, case.config, capture=with_flops)
+        flops.count_flops(sim.events)
+        counted.append(time.perf_counter() - start)
+    return min(plain), min(counted)
+
+
 _SEVEN_B = r"""
 import json, os, sys, time
 import torch
@@ -160,6 +186,14 @@ def main() -> None:
     ratios = [r["ratio"] for r in rows]
     worst = max(abs(e) for r in rows for e in r["error_pct"])
     print(f"\nmedian ratio to the meta floor: {statistics.median(ratios):.2f}x; worst |error|: {worst:.3f} %")
+    print("\n| model | simulation s | with FLOPs s | FLOP overhead |")
+    print("|---|---|---|---|")
+    for spec, batch_size, optimizer, precision in (CASES[0], CASES[3], CASES[7]):
+        case = build_case(spec, _input(spec, batch_size), optimizer=optimizer, precision=precision)
+        plain, counted = flop_overhead(case, max(args.repeats, 5))
+        print(
+            f"| {spec.split(':')[1]} | {plain:.2f} | {counted:.2f} | {100 * (counted / plain - 1):+.1f} % |"
+        )
     if not args.quick:
         big = seven_b()
         print(
