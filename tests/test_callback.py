@@ -170,6 +170,14 @@ class CustomFunctionModule(Classifier):
         return self.net(Square.apply(x))  # type: ignore[no-any-return]
 
 
+class CompiledModule(Classifier):
+    """A torch.compile'd submodule: compiling on fake tensors inside the estimate crashed the process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.compile(self.net)  # type: ignore[assignment]
+
+
 class ManualModule(Classifier):
     def __init__(self) -> None:
         super().__init__()
@@ -200,12 +208,13 @@ class DictBatchModule(Classifier):
     [
         (CachingModule, {}),
         (CustomFunctionModule, {}),
+        (CompiledModule, {}),
         (ManualModule, {}),
         (DictBatchModule, {}),
         (Classifier, {"accumulate_grad_batches": 4, "max_steps": 2}),
         (Classifier, {"gradient_clip_val": 0.5}),
     ],
-    ids=["caching-item-mask-nonzero", "autograd-function", "manual", "dict-batch", "accumulate-4", "clip"],
+    ids=["caching-item-mask-nonzero", "autograd-function", "compiled", "manual", "dict-batch", "accumulate-4", "clip"],
 )
 def test_hostile_modules_train_with_at_most_a_warning(
     tmp_path: Path, module_cls: type[Classifier], trainer_kwargs: dict[str, Any]

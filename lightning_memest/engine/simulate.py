@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch._dynamo
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
@@ -86,6 +87,9 @@ def simulate(
     converter = FakeConverter(mode, target, true_dtype(precision))
     with ExitStack() as stack:
         stack.enter_context(_preserved_rng(target))
+        # torch.compile'd modules run eagerly here: compiling on fake tensors inside the estimate
+        # crashed the process (a segfault no warning can catch). The estimate is of eager memory.
+        stack.enter_context(torch._dynamo.config.patch(disable=True))
         stack.enter_context(fake_module(model, converter))
         fake_batch = converter.batch(batch)
         _add_residents(tracker, model, fake_batch)
