@@ -214,7 +214,15 @@ class DictBatchModule(Classifier):
         (Classifier, {"accumulate_grad_batches": 4, "max_steps": 2}),
         (Classifier, {"gradient_clip_val": 0.5}),
     ],
-    ids=["caching-item-mask-nonzero", "autograd-function", "compiled", "manual", "dict-batch", "accumulate-4", "clip"],
+    ids=[
+        "caching-item-mask-nonzero",
+        "autograd-function",
+        "compiled",
+        "manual",
+        "dict-batch",
+        "accumulate-4",
+        "clip",
+    ],
 )
 def test_hostile_modules_train_with_at_most_a_warning(
     tmp_path: Path, module_cls: type[Classifier], trainer_kwargs: dict[str, Any]
