@@ -81,6 +81,8 @@ class LightningRunner:
         # The precision plugin's train_step_context (autocast, or the default dtype of *-true).
         self.step_context = step_context or (lambda: autocast(self.device_type, self.precision))
         self.steps_run = 0
+        self._current_phase = Phase.FORWARD
+        self._toggled: dict[nn.Parameter, bool] = {}
         self._install_module_api()
         optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
         self.optimizers: list[torch.optim.Optimizer] = list(optimizers)
@@ -134,7 +136,7 @@ class LightningRunner:
         self._toggled = state
 
     def _untoggle(self, optimizer: torch.optim.Optimizer) -> None:
-        state = getattr(self, "_toggled", {})
+        state = self._toggled
         for opt in self.optimizers:
             if opt is not optimizer:
                 for group in opt.param_groups:
@@ -150,12 +152,15 @@ class LightningRunner:
         @functools.wraps(step)
         def watched_step(*args: Any, **kwargs: Any) -> Any:
             self._phase(Phase.OPTIMIZER)
-            result = (
-                self.scaler.step(optimizer, *args, **kwargs)
-                if self.scaler is not None
-                else step(*args, **kwargs)
-            )
-            if self.scaler is not None:
+            if self.scaler is None:
+                result = step(*args, **kwargs)
+            else:
+                # GradScaler.step calls optimizer.step: the original one, not this wrapper again.
+                optimizer.step = step  # type: ignore[method-assign]
+                try:
+                    result = self.scaler.step(optimizer, *args, **kwargs)
+                finally:
+                    optimizer.step = watched_step  # type: ignore[method-assign]
                 self.scaler.update()
             self.listener.on_optimizer_state(_state_tensors(optimizer))
             self._phase(Phase.FORWARD)
@@ -183,8 +188,6 @@ class LightningRunner:
         self.module.backward(scaled, *args, **kwargs)
         self.listener.on_gradients([p.grad for p in self.module.parameters() if p.grad is not None])
         self._phase(previous)
-
-    _current_phase = Phase.FORWARD
 
     def run(self, batch: Any) -> object:
         batch_idx = self.steps_run

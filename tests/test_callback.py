@@ -213,6 +213,7 @@ class DictBatchModule(Classifier):
         (DictBatchModule, {}),
         (Classifier, {"accumulate_grad_batches": 4, "max_steps": 2}),
         (Classifier, {"gradient_clip_val": 0.5}),
+        (ManualModule, {"precision": "16-mixed"}),
     ],
     ids=[
         "caching-item-mask-nonzero",
@@ -222,6 +223,7 @@ class DictBatchModule(Classifier):
         "dict-batch",
         "accumulate-4",
         "clip",
+        "manual-16-mixed",
     ],
 )
 def test_hostile_modules_train_with_at_most_a_warning(
