@@ -159,7 +159,8 @@ def test_estimate_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["reserved_bytes"] is None  # CPU: no caching allocator
     assert set(data["breakdown_bytes"]) == BREAKDOWN_KEYS
     assert all(type(v) is int and v >= 0 for v in data["breakdown_bytes"].values())
-    assert data["flops"] is None or isinstance(data["flops"], dict)
+    assert set(data["flops"]) == {"forward", "backward", "optimizer"}
+    assert data["flops"]["forward"] > 0 and data["flops"]["backward"] > 0
     assert isinstance(data["estimate_seconds"], float)
 
 
