@@ -36,7 +36,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))  # type: ignore[no-any-return]
 
 
 class Block(nn.Module):
@@ -49,7 +49,7 @@ class Block(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        return x + self.mlp(self.ln2(x))  # type: ignore[no-any-return]
 
 
 class TinyGPT(nn.Module):

@@ -144,7 +144,7 @@ class CachingModule(Classifier):
             self.scale = torch.ones(1)
         h = self.net(x) * self.scale
         keep = h[h > 0]  # data-dependent shape
-        return h + keep.sum() * 0 + torch.nonzero(h > 0).shape[0] * 0
+        return h + keep.sum() * 0 + torch.nonzero(h > 0).shape[0] * 0  # type: ignore[no-any-return]
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         loss = super().training_step(batch, batch_idx)
@@ -162,7 +162,7 @@ class Square(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
         (x,) = ctx.saved_tensors
-        return 2 * x * grad
+        return 2 * x * grad  # type: ignore[no-any-return]
 
 
 class CustomFunctionModule(Classifier):
@@ -185,6 +185,7 @@ class ManualModule(Classifier):
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         opt = self.optimizers()
+        assert not isinstance(opt, list)  # one optimizer
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         opt.zero_grad()
@@ -256,7 +257,8 @@ def test_a_failing_estimate_is_one_warning_and_training_goes_on(tmp_path: Path) 
     class Unsimulatable(Classifier):
         def training_step(self, batch: Any, batch_idx: int) -> Tensor:
             loss = super().training_step(batch, batch_idx)
-            return loss + torch.unique(batch[1]).sum() * 0  # unique's size depends on values
+            # unique's output size depends on values
+            return loss + torch.unique(batch[1]).sum() * 0  # type: ignore[no-any-return]
 
     memest = MemEstimate()
     with pytest.warns(UserWarning, match="MemEstimate: estimating failed") as record:

@@ -46,7 +46,7 @@ class Net(nn.Module):
         self.frozen.requires_grad_(False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.head(self.body(self.enc(self.frozen(x)))) * self.scale
+        return self.head(self.body(self.enc(self.frozen(x)))) * self.scale  # type: ignore[no-any-return]
 
 
 def snapshot(model: nn.Module) -> dict[str, Any]:
@@ -129,7 +129,7 @@ def test_nested_batches() -> None:
             self.b = nn.Linear(6, 4)
 
         def forward(self, x: Tensor, extra: dict[str, Any]) -> Tensor:
-            return self.a(x) + self.b(extra["y"][0]) * extra["scale"]
+            return self.a(x) + self.b(extra["y"][0]) * extra["scale"]  # type: ignore[no-any-return]
 
     batch = {"x": torch.randn(5, 8), "extra": {"y": [torch.randn(5, 6)], "scale": 2.0}}
     est = estimate_step(DictModel(), batch, optimizer=sgd)
@@ -193,7 +193,7 @@ def test_data_dependent_shapes_assume_every_element_selected() -> None:
 
         def forward(self, x: Tensor) -> Tensor:
             h = self.inner(x)
-            return h[h > 0].sum() + torch.nonzero(h > 0.5).sum() + torch.masked_select(h, h < 0).sum()
+            return h[h > 0].sum() + torch.nonzero(h > 0.5).sum() + torch.masked_select(h, h < 0).sum()  # type: ignore[no-any-return]
 
     est = estimate_step(Masky(), torch.randn(4, 8), optimizer=sgd)
     assert est.data_dependent is not None
@@ -206,7 +206,7 @@ def test_data_dependent_shapes_assume_every_element_selected() -> None:
 def test_unsimulatable_op_raises_estimation_error_naming_op_and_module() -> None:
     class Uniq(nn.Module):
         def forward(self, x: Tensor) -> Tensor:
-            return torch.unique(x).sum() * x.sum()
+            return torch.unique(x).sum() * x.sum()  # type: ignore[no-any-return]
 
     model = nn.Sequential(nn.Linear(4, 4), Uniq())
     with pytest.raises(EstimationError) as info:
@@ -294,7 +294,7 @@ def test_activation_checkpointing_matches_the_real_step() -> None:
             self.f = nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128))
 
         def forward(self, x: Tensor) -> Tensor:
-            return x + self.f(x)
+            return x + self.f(x)  # type: ignore[no-any-return]
 
     class Net(nn.Module):
         def __init__(self) -> None:
