@@ -244,6 +244,12 @@ def _estimate(args: argparse.Namespace, out: TextIO) -> None:
         print(json.dumps(est.to_json()), file=out)
         return
     print(f"estimate of {args.model} ({_settings(args, inputs)})", file=out)
+    if est.approximate:
+        print(
+            "  APPROXIMATE: no GPU here; simulated on the CPU and accounted as CUDA (caching allocator,"
+            " cuBLAS workspace, foreach optimizers; not cuDNN, attention backends, CUDA autocast lists)",
+            file=out,
+        )
     _print_estimate(est, out)
 
 

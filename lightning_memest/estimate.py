@@ -61,6 +61,9 @@ def estimate_step(
         precision: Lightning's precision names: ``32-true``, ``16-mixed``, ``bf16-mixed``,
             ``16-true``, ``bf16-true``.
         device: where the step would run; defaults to the model's device (``cpu`` for meta models).
+            ``cuda`` on a machine without a GPU is a what-if: the step runs on fake CPU tensors with
+            CUDA's optimizer defaults and is accounted through the CUDA caching allocator model
+            (``StepEstimate.approximate`` is then true).
         steps: steps to simulate (2: the first step and the steady state).
 
     Example:
@@ -112,21 +115,23 @@ def estimate_from(model: nn.Module, sim: Simulation, precision: str) -> StepEsti
     flop_count = flops.count_flops(sim.events)
     peaks = _peaks(result)
     reserved: tuple[int, ...] | None = None
-    if sim.device.type == "cuda":
+    if sim.device.type == "cuda" or sim.what_if == "cuda":
         # What torch.cuda.max_memory_allocated/reserved count: whole blocks of the caching allocator,
-        # and its segments. The breakdown stays in exact bytes.
+        # and its segments, with cuBLAS's workspace. The breakdown stays in exact bytes. A what-if ran
+        # CPU kernels: their (oneDNN) kernel models do not apply to CUDA.
         device_peaks = replay_caching_allocator(
             sim.events,
             steps,
             _cuda_allocator_model(),
-            kernels.kernel_memory,
+            None if sim.what_if else kernels.kernel_memory,
+            kernels.cuda_library_workspace,
         )
         peaks = tuple(
             dataclasses.replace(p, bytes=b) for p, b in zip(peaks, device_peaks.allocated, strict=False)
         )
         reserved = device_peaks.reserved
     return StepEstimate(
-        device=str(sim.device),
+        device="cuda" if sim.what_if == "cuda" else str(sim.device),
         precision=precision,
         peaks=peaks,
         modules=_module_tree(model, sim.events, result, flop_count),
@@ -140,6 +145,7 @@ def estimate_from(model: nn.Module, sim: Simulation, precision: str) -> StepEsti
         reserved_bytes=reserved,
         flops=flop_count,
         estimate_seconds=sim.seconds,
+        approximate=sim.what_if is not None,
     )
 
 

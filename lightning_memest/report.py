@@ -136,6 +136,10 @@ class StepEstimate:
     """FLOPs of the first step, from the same simulation (``accounting.flops``)."""
     estimate_seconds: float
     """Seconds the simulation took (conversion to fake tensors and the steps)."""
+    approximate: bool = False
+    """True for a CUDA what-if on a machine without a GPU: CPU kernels ran, CUDA's allocator,
+    cuBLAS workspace and optimizer defaults were modelled; cuDNN, attention-backend and autocast-list
+    differences were not."""
 
     @property
     def first_step(self) -> Peak:

@@ -173,16 +173,25 @@ class DevicePeaks:
     reserved: tuple[int, ...]
 
 
+LibraryWorkspace = Callable[[str], "tuple[str, int] | None"]
+
+
 def replay_caching_allocator(
-    events: Sequence[Event], steps: int, allocator: CudaCachingAllocator, kernel_fn: KernelFn | None = None
+    events: Sequence[Event],
+    steps: int,
+    allocator: CudaCachingAllocator,
+    kernel_fn: KernelFn | None = None,
+    library_workspace: LibraryWorkspace | None = None,
 ) -> DevicePeaks:
     """Replay the events through ``allocator``; peak statistics reset at each step, as ``measure`` does.
 
     Every storage is one ``malloc`` (rounded, carved from segments, cached on ``free``), so
     ``allocated`` counts whole blocks and ``reserved`` the segments, unlike the exact ``replay``.
     A kernel's workspace is allocated after its outputs (or before, per the model) and freed before
-    the next op. What lives before the first op (parameters, the batch) is allocated first.
+    the next op. What lives before the first op (parameters, the batch) is allocated first. A library's
+    workspace (``library_workspace(op_name)``: cuBLAS's at the first matmul) is allocated once and kept.
     """
+    libraries: set[str] = set()
     handles: dict[int, int] = {}
     extra: dict[int, int] = {}
     allocated: list[int] = []
@@ -212,6 +221,10 @@ def replay_caching_allocator(
             handles[e.storage] = allocator.malloc(e.nbytes)
         elif kind is OpEvent:
             assert isinstance(e, OpEvent)
+            library = library_workspace(e.op) if library_workspace is not None else None
+            if library is not None and library[0] not in libraries:
+                libraries.add(library[0])
+                allocator.malloc(library[1])
             while e.step > step and step < steps - 1:
                 allocated.append(allocator.peak_allocated_bytes)
                 reserved.append(allocator.peak_reserved_bytes)

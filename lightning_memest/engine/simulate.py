@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import torch
 import torch._dynamo
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves
 
 from lightning_memest.engine.events import Event, OpEvent, Role
@@ -46,9 +47,13 @@ class Simulation:
 
     events: list[Event]
     device: torch.device
+    """The device the step was simulated on."""
     steps: int
     seconds: float
     """Wall seconds of the simulation (conversion to fake tensors and the steps)."""
+    what_if: str | None = None
+    """``"cuda"`` when CUDA was asked for on a machine without one: the step ran on fake CPU tensors
+    with CUDA's optimizer defaults, and the accounting treats it as CUDA (approximate)."""
 
 
 def simulate(
@@ -77,7 +82,7 @@ def simulate(
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1; got {steps}")
-    target = _target_device(model, device)
+    target, what_if = _target_device(model, device)
     start = time.perf_counter()
     tracker = Tracker(capture=capture)
     mode = TrackingFakeTensorMode(tracker)
@@ -87,6 +92,8 @@ def simulate(
     converter = FakeConverter(mode, target, true_dtype(precision))
     with ExitStack() as stack:
         stack.enter_context(_preserved_rng(target))
+        if target.type == "cuda" or what_if == "cuda":
+            stack.enter_context(_cuda_optimizer_defaults(what_if=what_if == "cuda"))
         # torch.compile'd modules run eagerly here: compiling on fake tensors inside the estimate
         # crashed the process (a segfault no warning can catch). The estimate is of eager memory.
         stack.enter_context(torch._dynamo.config.patch(disable=True))
@@ -110,7 +117,7 @@ def simulate(
                 module=tracker.module or None,
             ) from exc
         del runner
-    return Simulation(tracker.events, target, steps, time.perf_counter() - start)
+    return Simulation(tracker.events, target, steps, time.perf_counter() - start, what_if)
 
 
 def _plain_runner(config: StepConfig) -> RunnerFactory:
@@ -120,21 +127,48 @@ def _plain_runner(config: StepConfig) -> RunnerFactory:
     return make
 
 
-def _target_device(model: nn.Module, device: str | torch.device | None) -> torch.device:
+def _target_device(model: nn.Module, device: str | torch.device | None) -> tuple[torch.device, str | None]:
+    """Where to simulate, and ``"cuda"`` for a what-if (CUDA asked for, none here: fake CPU tensors).
+
+    Backward on fake CUDA tensors needs a real device (NOTES.md), so without one the step runs on the
+    CPU and only the accounting is CUDA's.
+    """
     if device is None:
         first = next((t for _, t, _ in resident_tensors(model)), None)
         device = "cpu" if first is None or first.device.type == "meta" else first.device
     target = torch.device(device)
     if target.type == "cuda":
         if not torch.cuda.is_available():
-            raise EstimationError(
-                "device cuda needs a GPU on this machine for now (a CPU-only what-if for CUDA is planned)"
-            )
+            return torch.device("cpu"), "cuda"
         if target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
     elif target.type != "cpu":
         raise EstimationError(f"device must be cpu or cuda; got {target}")
-    return target
+    return target, None
+
+
+@contextmanager
+def _cuda_optimizer_defaults(what_if: bool) -> Iterator[None]:
+    """torch.optim picks the ``foreach`` implementation by default on CUDA, whose intermediate tensor
+    lists raise the optimizer step's peak. Its check looks at the parameters' type, which is
+    ``FakeTensor`` here, and (for a what-if) at their device, which is the CPU: admit both."""
+    import torch.optim.optimizer as optim_module
+
+    supported = optim_module._foreach_supported_types
+    name = "_get_foreach_kernels_supported_devices"  # looked up in optim.optimizer at each call
+    original: Callable[[], list[str]] = getattr(optim_module, name)
+
+    def with_cpu() -> list[str]:
+        return [*original(), "cpu"]
+
+    supported.append(FakeTensor)
+    if what_if:
+        setattr(optim_module, name, with_cpu)
+    try:
+        yield
+    finally:
+        supported.remove(FakeTensor)
+        setattr(optim_module, name, original)
 
 
 @contextmanager
