@@ -489,6 +489,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.path.insert(0, cwd)
     try:
         _COMMANDS[args.command](args, sys.stdout)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`memest ... | head`): nothing left to say, as any Unix tool.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except MemestError as e:
         if os.environ.get("MEMEST_DEBUG"):
             raise
