@@ -71,7 +71,7 @@ from typing_extensions import override
 
 from lightning_memest.engine.step import LossFn, OptimizerFactory, sum_loss
 from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError
-from lightning_memest.estimate import estimate_lightning_step, estimate_step
+from lightning_memest.estimate import peak_bytes, simulate_lightning_step, simulate_step
 from lightning_memest.lightning_step import first_batch
 from lightning_memest.measure import module_tensors, resident_bytes
 from lightning_memest.report import StepEstimate, format_bytes
@@ -424,7 +424,8 @@ def max_batch_size(
     """
 
     def peak_of(n: int) -> int:
-        est = estimate_step(
+        # estimate_step(...).peak_bytes, without FLOPs or the report: a probe only needs the peak.
+        sim = simulate_step(
             model,
             make_batch(n),
             loss_fn=loss_fn,
@@ -432,8 +433,9 @@ def max_batch_size(
             precision=precision,
             device=device,
             steps=steps,
+            flops=False,
         )
-        return est.peak_bytes
+        return peak_bytes(sim)
 
     return search_batch_size(peak_of, budget_bytes, start=start, cap=cap, progress=progress)
 
@@ -457,7 +459,7 @@ def lightning_max_batch_size(
     old = batch_size_of(batch) if batch_size is None else batch_size
 
     def peak_of(n: int) -> int:
-        return estimate_lightning_step(trainer, module, resize_batch(batch, old, n)).peak_bytes
+        return peak_bytes(simulate_lightning_step(trainer, module, resize_batch(batch, old, n), flops=False))
 
     return search_batch_size(peak_of, budget_bytes, start=old, cap=cap, progress=progress)
 

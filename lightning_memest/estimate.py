@@ -13,7 +13,13 @@ import torch
 from torch import nn
 
 from lightning_memest.accounting import flops, kernels
-from lightning_memest.accounting.allocator import ROLE_ORDER, Replay, replay, replay_caching_allocator
+from lightning_memest.accounting.allocator import (
+    ROLE_ORDER,
+    DevicePeaks,
+    Replay,
+    replay,
+    replay_caching_allocator,
+)
 from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
 from lightning_memest.engine.events import Alloc, DataDependent, Event, OpEvent, Role, Tag
 from lightning_memest.engine.simulate import Simulation, simulate
@@ -78,10 +84,29 @@ def estimate_step(
         8478816
     """
     checked = check_precision(precision)
-    sim = simulate(
-        model, batch, StepConfig(loss_fn, optimizer, checked), device=device, steps=steps, capture=_captured
+    sim = simulate_step(
+        model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=checked, device=device, steps=steps
     )
     return estimate_from(model, sim, checked)
+
+
+def simulate_step(
+    model: nn.Module,
+    batch: Any,
+    *,
+    loss_fn: LossFn = sum_loss,
+    optimizer: OptimizerFactory | None = None,
+    precision: str = "32-true",
+    device: str | torch.device | None = None,
+    steps: int = 2,
+    flops: bool = True,
+) -> Simulation:
+    """The simulation ``estimate_step`` reports on; ``flops=False`` records only what memory needs
+    (for callers that want :func:`peak_bytes` alone, such as the batch-size search)."""
+    config = StepConfig(loss_fn, optimizer, check_precision(precision))
+    return simulate(
+        model, batch, config, device=device, steps=steps, capture=_captured if flops else _for_memory
+    )
 
 
 def estimate_lightning_step(
@@ -95,17 +120,31 @@ def estimate_lightning_step(
     module must be attached to ``trainer`` (as it is from ``setup`` on). ``batch`` is a batch as the
     train dataloader yields it.
     """
-    precision = lightning_precision(trainer)
-    sim = simulate(
+    sim = simulate_lightning_step(trainer, module, batch, steps=steps)
+    return estimate_from(module, sim, lightning_precision(trainer))
+
+
+def simulate_lightning_step(
+    trainer: pl.Trainer, module: pl.LightningModule, batch: Any, *, steps: int = 2, flops: bool = True
+) -> Simulation:
+    """The simulation ``estimate_lightning_step`` reports on (``flops`` as in :func:`simulate_step`)."""
+    return simulate(
         module,
         batch,
         lightning_runner_factory(trainer),
         device=trainer.strategy.root_device,
         steps=steps,
-        capture=_captured,
-        precision=precision,
+        capture=_captured if flops else _for_memory,
+        precision=lightning_precision(trainer),
     )
-    return estimate_from(module, sim, precision)
+
+
+def peak_bytes(sim: Simulation) -> int:
+    """The largest peak over a simulation's steps, exactly as ``StepEstimate.peak_bytes`` would say,
+    without building the report."""
+    if _is_cuda(sim):
+        return max(_device_peaks(sim).allocated)
+    return max(p.live_bytes for p in replay(sim.events, sim.steps, kernels.kernel_memory).peaks)
 
 
 def estimate_from(model: nn.Module, sim: Simulation, precision: str) -> StepEstimate:
@@ -115,17 +154,9 @@ def estimate_from(model: nn.Module, sim: Simulation, precision: str) -> StepEsti
     flop_count = flops.count_flops(sim.events)
     peaks = _peaks(result)
     reserved: tuple[int, ...] | None = None
-    if sim.device.type == "cuda" or sim.what_if == "cuda":
-        # What torch.cuda.max_memory_allocated/reserved count: whole blocks of the caching allocator,
-        # and its segments, with cuBLAS's workspace. The breakdown stays in exact bytes. A what-if ran
-        # CPU kernels: their (oneDNN) kernel models do not apply to CUDA.
-        device_peaks = replay_caching_allocator(
-            sim.events,
-            steps,
-            _cuda_allocator_model(),
-            None if sim.what_if else kernels.kernel_memory,
-            kernels.cuda_library_workspace,
-        )
+    if _is_cuda(sim):
+        # What torch.cuda.max_memory_allocated/reserved count; the breakdown stays in exact bytes.
+        device_peaks = _device_peaks(sim)
         peaks = tuple(
             dataclasses.replace(p, bytes=b) for p, b in zip(peaks, device_peaks.allocated, strict=False)
         )
@@ -149,15 +180,36 @@ def estimate_from(model: nn.Module, sim: Simulation, precision: str) -> StepEsti
     )
 
 
+def _is_cuda(sim: Simulation) -> bool:
+    return sim.device.type == "cuda" or sim.what_if == "cuda"
+
+
+def _device_peaks(sim: Simulation) -> DevicePeaks:
+    """Whole blocks of the caching allocator and its segments, with cuBLAS's workspace. A what-if ran
+    CPU kernels: their (oneDNN) kernel models do not apply to CUDA."""
+    return replay_caching_allocator(
+        sim.events,
+        sim.steps,
+        _cuda_allocator_model(),
+        None if sim.what_if else kernels.kernel_memory,
+        kernels.cuda_library_workspace,
+    )
+
+
 def _cuda_allocator_model() -> CudaCachingAllocator:
     """The caching allocator configured as this process's would be (PYTORCH_CUDA_ALLOC_CONF)."""
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
     return CudaCachingAllocator.from_alloc_conf(conf)
 
 
+def _for_memory(op: torch._ops.OpOverload) -> bool:
+    """Ops whose full call the memory accounting needs: those with a kernel memory model."""
+    return kernels.kernel_model_for(op) is not None
+
+
 def _captured(op: torch._ops.OpOverload) -> bool:
     """Ops whose full call the accounting needs: kernel memory models and FLOP formulas."""
-    return kernels.kernel_model_for(op) is not None or flops.captures_flops(op)
+    return _for_memory(op) or flops.captures_flops(op)
 
 
 def _peaks(result: Replay) -> tuple[Peak, ...]:

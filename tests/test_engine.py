@@ -312,3 +312,18 @@ def test_activation_checkpointing_matches_the_real_step() -> None:
     real = measure_step(copy.deepcopy(model), batch, StepConfig(optimizer=torch.optim.AdamW))
     for peak, truth in zip(est.peaks, real.peak_bytes, strict=True):
         assert abs(peak.bytes - truth) / truth < 0.001, (peak.bytes, truth)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_peak_bytes_without_the_report_is_the_reported_peak(device: str) -> None:
+    from lightning_memest.estimate import peak_bytes, simulate_step
+
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("the what-if is for machines without a GPU")
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 10)
+    )
+    batch = torch.randn(4, 3, 16, 16)
+    est = estimate_step(model, batch, optimizer=torch.optim.AdamW, device=device)
+    sim = simulate_step(model, batch, optimizer=torch.optim.AdamW, device=device, flops=False)
+    assert peak_bytes(sim) == est.peak_bytes
