@@ -118,6 +118,7 @@ class MemEstimate(ModelSummary):
         self.setup_seconds: float | None = None
         """Wall seconds the estimate added to fit start (the batch, the simulation, the accounting)."""
         self._probe: StepProbe | None = None
+        self._steps_started = 0
         self._warned = False
 
     def describe(self) -> str:
@@ -218,37 +219,58 @@ class MemEstimate(ModelSummary):
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self.check or self.estimate is None or len(self.measured) >= CHECKED_STEPS:
+        if not self.check or self.estimate is None or self._steps_started >= CHECKED_STEPS:
             return
         device = trainer.strategy.root_device
-        if device.type == "cpu":
-            os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop chatter
-        probe = StepProbe(device)
+        if self._probe is None:
+            if device.type == "cpu":
+                os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop chatter
+            self._probe = StepProbe(device)
+        probe = self._probe
 
-        def start() -> StepProbe:
+        def start() -> bool:
             probe.start(_resident_tensors(trainer, pl_module, batch))
-            return probe
+            return True
 
-        self._probe = self._safely("measuring", start)
+        if self._safely("measuring", start):
+            self._steps_started += 1
+        else:
+            self.check = False
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        probe, self._probe = self._probe, None
-        if probe is None or self.estimate is None:
+        probe = self._probe
+        if probe is None or not self.check or self._steps_started > CHECKED_STEPS:
             return
-        result = self._safely("measuring", probe.stop)
-        if result is None:
+        def stop() -> bool:
+            probe.stop()
+            return True
+
+        if self._safely("measuring", stop) is None:
             self.check = False
+        elif self._steps_started == CHECKED_STEPS:
+            self._finish(trainer)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._probe is not None and self._steps_started:  # fewer batches than CHECKED_STEPS
+            self._finish(trainer)
+
+    def _finish(self, trainer: pl.Trainer) -> None:
+        """Read the measured steps (the CPU profiler runs across them), compare, log."""
+        probe, self._probe = self._probe, None
+        self._steps_started = CHECKED_STEPS + 1  # nothing more to measure
+        results = self._safely("measuring", probe.finish) if probe is not None else None
+        if results is None or self.estimate is None:
             return
-        peak, reserved = _max_over_ranks(trainer, result)
-        step = len(self.measured)
-        measured = MeasuredStep(step + 1, peak, reserved, self.estimate.peaks[step].bytes)
-        self.measured.append(measured)
-        self._safely("logging", lambda: self._log_measured(trainer, measured))
-        if len(self.measured) == CHECKED_STEPS:
-            self._safely("logging to TensorBoard", lambda: self._log_tensorboard(trainer, final=True))
+        for step, result in enumerate(results):
+            peak, reserved = _max_over_ranks(trainer, result)
+            measured = MeasuredStep(step + 1, peak, reserved, self.estimate.peaks[step].bytes)
+            self.measured.append(measured)
+            self._safely("logging", lambda m=measured: self._log_measured(trainer, m))  # type: ignore[misc]
+        self._safely("logging to TensorBoard", lambda: self._log_tensorboard(trainer, final=True))
 
     # --- logging -------------------------------------------------------------------------------------------
     def _log_estimate(self, trainer: pl.Trainer, estimate: StepEstimate) -> None:

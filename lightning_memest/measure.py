@@ -148,10 +148,14 @@ def _step_windows(events: list[Any], steps: int) -> list[tuple[int, int]]:
     return [windows[i] for i in range(steps)]
 
 
-def cpu_step_peaks(events: Iterable[Any], steps: int, baseline: int = 0) -> tuple[int, ...]:
+def cpu_step_peaks(
+    events: Iterable[Any], steps: int, baseline: int = 0, carry: bool = True
+) -> tuple[int, ...]:
     """Per-step peaks from a CPU profile's kineto events (``prof.profiler.kineto_results.events()``).
 
-    ``baseline`` is the bytes resident before profiling started.
+    ``baseline`` is the bytes resident before profiling started. With ``carry`` (the default) a step's
+    peak counts what earlier steps left behind; without, each step's peak is the rise of the running
+    sum inside its window (for callers that know each step's resident bytes themselves).
     """
     all_events = list(events)
     windows = _step_windows(all_events, steps)
@@ -165,12 +169,13 @@ def cpu_step_peaks(events: Iterable[Any], steps: int, baseline: int = 0) -> tupl
         while k < len(memory) and memory[k][0] < start:
             held += memory[k][1]
             k += 1
+        at_start = held
         peak = held
         while k < len(memory) and memory[k][0] <= end:
             held += memory[k][1]
             peak = max(peak, held)
             k += 1
-        peaks.append(baseline + peak)
+        peaks.append(baseline + (peak if carry else peak - at_start))
     return tuple(peaks)
 
 
@@ -237,12 +242,15 @@ def _mean_seconds(seconds: list[float]) -> float:
 
 
 class StepProbe:
-    """Measures one training step from inside a training loop: ``start()`` before it, ``stop()`` after.
+    """Measures training steps from inside a training loop: ``start(resident)`` before each step,
+    ``stop()`` after it; the peaks come from ``finish()``.
 
-    Used by the ``MemEstimate`` callback around real batches. On CPU a profiler with
-    ``profile_memory`` runs for that step alone; the peak is the bytes resident at ``start`` (the
-    tensors it is given, each storage once) plus the largest running sum of the allocator's events.
-    On CUDA the peak statistics are reset at ``start`` and read at ``stop``.
+    Used by the ``MemEstimate`` callback around real batches. On CPU one profiler with
+    ``profile_memory`` runs from the first ``start`` to ``finish`` -- the way :func:`measure_step`
+    measures --, each step inside a ``record_function`` window; a step's peak is the bytes resident at
+    its ``start`` (the tensors given, each storage once) plus the largest rise of the allocator's
+    running sum inside its window. On CUDA the peak statistics are reset at ``start`` and read at
+    ``stop``.
 
     Example:
         >>> import torch
@@ -251,35 +259,49 @@ class StepProbe:
         >>> probe.start([x])
         >>> y = x.clone()  # 4 KiB more
         >>> probe.stop()
-        (8192, None)
+        >>> probe.finish()
+        [(8192, None)]
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._baseline = 0
+        self._baselines: list[int] = []
+        self._cuda_peaks: list[tuple[int, int | None]] = []
         self._profiler: profile | None = None
+        self._window: record_function | None = None
 
     def start(self, resident: Iterable[Tensor]) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        self._baseline = resident_bytes(resident)
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profiler.__enter__()  # type: ignore[no-untyped-call]
+        if self._profiler is None:
+            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+            self._profiler.__enter__()  # type: ignore[no-untyped-call]
+        self._baselines.append(resident_bytes(resident))
+        self._window = record_function(f"{STEP_LABEL}{len(self._baselines) - 1}")
+        self._window.__enter__()  # type: ignore[no-untyped-call]
 
-    def stop(self) -> tuple[int, int | None]:
-        """The step's peak bytes, and on CUDA its peak reserved bytes."""
+    def stop(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
+            self._cuda_peaks.append(peak)
+            return
+        window, self._window = self._window, None
+        if window is None:
+            raise RuntimeError("StepProbe.stop() without start()")
+        window.__exit__(None, None, None)
+
+    def finish(self) -> list[tuple[int, int | None]]:
+        """Each measured step's peak bytes, and on CUDA its peak reserved bytes."""
+        if self.device.type == "cuda":
+            return list(self._cuda_peaks)
         profiler, self._profiler = self._profiler, None
         if profiler is None:
-            raise RuntimeError("StepProbe.stop() without start()")
+            return []
         profiler.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         events: Any = profiler.profiler.kineto_results.events()  # type: ignore[union-attr]
-        held = peak = 0
-        for _, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
-            held += nbytes
-            peak = max(peak, held)
-        return self._baseline + peak, None
+        steps = len(self._baselines)
+        rises = cpu_step_peaks(events, steps, baseline=0, carry=False)
+        return [(base + rise, None) for base, rise in zip(self._baselines, rises, strict=True)]
