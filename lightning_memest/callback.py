@@ -244,6 +244,7 @@ class MemEstimate(ModelSummary):
         probe = self._probe
         if probe is None or not self.check or self._steps_started > CHECKED_STEPS:
             return
+
         def stop() -> bool:
             probe.stop()
             return True
@@ -257,6 +258,15 @@ class MemEstimate(ModelSummary):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._probe is not None and self._steps_started:  # fewer batches than CHECKED_STEPS
             self._finish(trainer)
+
+    @override
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        # fit is failing (not because of us): give the garbage collector back, measure nothing more.
+        probe, self._probe = self._probe, None
+        if probe is not None:
+            probe.close()
 
     def _finish(self, trainer: pl.Trainer) -> None:
         """Read the measured steps (the CPU profiler runs across them), compare, log."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,7 @@ def test_estimate_logged_and_within_two_percent_of_measured(tmp_path: Path) -> N
             assert f"memest/{name}/{key}" in logged
     assert logged["memest/flops/forward"][0] > 0 and logged["memest/flops/backward"][0] > 0
     assert logged["memest/steady_state/measured_bytes"][-1] == memest.measured[1].peak_bytes
+    assert gc.isenabled()  # the collector was paused for the two measured steps only
     acc = EventAccumulator(str(tmp_path / "tb" / "version_0"))
     acc.Reload()
     tags = acc.Tags()
