@@ -673,10 +673,7 @@ class FitBatchSize(Callback):
             raise MemestError(f"FitBatchSize: {self.attr_name!r} must be an int; it is {value!r}")
         current = value
         budget = self._budget(trainer, pl_module)
-        device = trainer.strategy.root_device
-        # A fresh (shuffling) iterator draws its seed from the global RNG: training must not notice.
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-            batch = first_batch(trainer, pl_module)
+        batch = first_batch(trainer, pl_module)
         # The dataloader may batch differently from the attribute (a sampler, a collate); resize what it
         # yields, and say so if they differ.
         seen = batch_size_of(batch)

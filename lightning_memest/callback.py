@@ -28,6 +28,7 @@ from lightning_memest.batch_size import (
     parse_size,
     precheck,
 )
+from lightning_memest.engine.step import optimizer_state_tensors
 from lightning_memest.estimate import estimate_lightning_step
 from lightning_memest.lightning_step import first_batch
 from lightning_memest.measure import StepProbe, module_tensors, resident_bytes
@@ -189,10 +190,7 @@ class MemEstimate(ModelSummary):
         rank_zero_warn(f"MemEstimate: {result.message}")
 
     def _estimate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> StepEstimate:
-        device = trainer.strategy.root_device
-        # A fresh (shuffling) iterator draws its seed from the global RNG: training must not notice.
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-            batch = first_batch(trainer, pl_module)
+        batch = first_batch(trainer, pl_module)
         self._batch = batch  # for the memory pre-check's batch-size search
         return estimate_lightning_step(trainer, pl_module, batch, steps=CHECKED_STEPS)
 
@@ -358,13 +356,7 @@ def _set_flops_per_batch(pl_module: pl.LightningModule, estimate: StepEstimate) 
 def _resident_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[Tensor]:
     # Plain tensor attributes count too: a cache a module made in the first step (a positional
     # encoding) is resident in the second.
-    state = [
-        v
-        for opt in trainer.optimizers
-        for s in opt.state.values()
-        for v in s.values()
-        if isinstance(v, Tensor)
-    ]
+    state = [t for optimizer in trainer.optimizers for t in optimizer_state_tensors(optimizer)]
     return [*module_tensors(pl_module), *state, *(t for t in tree_leaves(batch) if isinstance(t, Tensor))]
 
 

@@ -30,7 +30,14 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
 
 from lightning_memest.engine.fake import setattr_raw
-from lightning_memest.engine.step import Phase, Precision, StepListener, autocast, check_precision
+from lightning_memest.engine.step import (
+    Phase,
+    Precision,
+    StepListener,
+    autocast,
+    check_precision,
+    optimizer_state_tensors,
+)
 from lightning_memest.errors import EstimationError
 
 
@@ -162,7 +169,7 @@ class LightningRunner:
                 finally:
                     optimizer.step = watched_step  # type: ignore[method-assign]
                 self.scaler.update()
-            self.listener.on_optimizer_state(_state_tensors(optimizer))
+            self.listener.on_optimizer_state(optimizer_state_tensors(optimizer))
             self._phase(Phase.FORWARD)
             return result
 
@@ -226,12 +233,8 @@ class LightningRunner:
             self.scaler.update()
         else:
             optimizer.step()
-        self.listener.on_optimizer_state(_state_tensors(optimizer))
+        self.listener.on_optimizer_state(optimizer_state_tensors(optimizer))
         return loss
-
-
-def _state_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
-    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor)]
 
 
 def lightning_runner_factory(trainer: pl.Trainer) -> Callable[[nn.Module, StepListener], LightningRunner]:
@@ -258,13 +261,16 @@ def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
     """One batch from a fresh iterator over the train dataloader(s) the trainer will use.
 
     Falls back to the module's ``example_input_array``. ``on_before_batch_transfer`` is applied, as
-    the fit loop would; ``on_after_batch_transfer`` runs inside the simulation, on fake tensors.
+    the fit loop would; ``on_after_batch_transfer`` runs inside the simulation, on fake tensors. The
+    global RNG is left as it was: a fresh (shuffling) iterator draws its seed from it, and training
+    must not notice.
     """
     source = trainer.fit_loop._data_source
     if source.is_defined():
-        loaders = source.dataloader()
-        combined = CombinedLoader(loaders, "max_size_cycle")
-        batch, _, _ = next(iter(combined))
+        device = trainer.strategy.root_device
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            combined = CombinedLoader(source.dataloader(), "max_size_cycle")
+            batch, _, _ = next(iter(combined))
     elif pl_module.example_input_array is not None:
         batch = pl_module.example_input_array
     else:

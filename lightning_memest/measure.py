@@ -53,7 +53,8 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from lightning_memest.engine.step import StepConfig, StepRunner
+from lightning_memest.engine.fake import resident_tensors
+from lightning_memest.engine.step import StepConfig, StepRunner, optimizer_state_tensors
 
 __all__ = ["STEP_LABEL", "Measurement", "iter_tensors", "measure_step", "resident_bytes"]
 
@@ -102,15 +103,11 @@ def iter_tensors(obj: Any) -> Iterator[Tensor]:
 
 def module_tensors(model: nn.Module) -> Iterator[Tensor]:
     """Every tensor a module holds: parameters (and their grads), buffers, plain tensor attributes."""
-    for module in model.modules():
-        # Parameters and buffers live in _parameters/_buffers; vars() also shows plain tensor attributes
-        # (caches such as positional encodings) that are resident too.
-        for tensors in (module._parameters.values(), module._buffers.values(), vars(module).values()):
-            for t in tensors:
-                if isinstance(t, Tensor):
-                    yield t
-                    if t.grad is not None:
-                        yield t.grad
+    # Plain tensor attributes (caches such as positional encodings) are resident too.
+    for _, t, _ in resident_tensors(model):
+        yield t
+        if t.grad is not None:
+            yield t.grad
 
 
 def resident_bytes(tensors: Iterable[Tensor]) -> int:
@@ -206,7 +203,7 @@ def measure_step(model: nn.Module, batch: Any, config: StepConfig, *, steps: int
     if device.type != "cpu":
         raise ValueError(f"measure_step measures CPU or CUDA models; this one is on {device}")
     # Some optimizers (Adagrad, ASGD) create state in their constructor: resident before step 1 too.
-    optimizer_state = iter_tensors(list(runner.optimizer.state.values())) if runner.optimizer else iter(())
+    optimizer_state = optimizer_state_tensors(runner.optimizer) if runner.optimizer else []
     baseline = resident_bytes([*module_tensors(model), *iter_tensors(batch), *optimizer_state])
     seconds: list[float] = []
     with _quiet_gc(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:

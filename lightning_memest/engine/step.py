@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, get_args
 
@@ -173,7 +173,7 @@ class StepRunner:
             else:
                 self.optimizer.step()
             if self.listener is not None:
-                self.listener.on_optimizer_state(list(_state_tensors(self.optimizer)))
+                self.listener.on_optimizer_state(optimizer_state_tensors(self.optimizer))
         self._phase(Phase.ZERO_GRAD)
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
@@ -190,8 +190,6 @@ def _device_type(model: nn.Module) -> str:
     return "cpu"
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterator[Tensor]:
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, Tensor):
-                yield value
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """Every tensor an optimizer keeps in its ``state`` (momentum, Adam's moments, step counters)."""
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, Tensor)]
