@@ -10,6 +10,7 @@ Example:
 
 from lightning_memest.batch_size import BatchSizeResult, FitBatchSize, max_batch_size
 from lightning_memest.callback import MemEstimate
+from lightning_memest.engine.distributed import DDP, FSDP
 from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError, TraceError
 from lightning_memest.estimate import estimate_step
 from lightning_memest.report import (
@@ -22,6 +23,8 @@ from lightning_memest.report import (
 )
 
 __all__ = [
+    "DDP",
+    "FSDP",
     "BatchSizeResult",
     "Breakdown",
     "DataDependentRead",

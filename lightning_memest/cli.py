@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn, TextIO
 
 from lightning_memest.batch_size import DEFAULT_CAP, case_batch_maker, max_batch_size, parse_size
+from lightning_memest.engine.distributed import DDP, FSDP, STRATEGIES, Strategy
 from lightning_memest.engine.step import PRECISIONS
 from lightning_memest.errors import MemestError
 from lightning_memest.fx import MODULE_ORDERS, NODE_ORDERS, module_rows, module_table, profile_graph
@@ -136,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("model", metavar="MODEL", help=model_help)
         _add_case_flags(p)
+        if name == "estimate":
+            _add_strategy_flags(p)
     p = sub.add_parser(
         "compare",
         help="estimate and measure each model, and show the error",
@@ -146,6 +149,49 @@ def build_parser() -> argparse.ArgumentParser:
     _add_max_batch_size_parser(sub, model_help)
     _add_profile_parser(sub, model_help)
     return parser
+
+
+def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "data parallelism",
+        "simulate one rank (rank 0) of a DDP or FSDP2 job with PyTorch's own code on a fake process group; "
+        "every figure is per rank",
+    )
+    g.add_argument("--strategy", choices=STRATEGIES, default=None, help="ddp or fsdp (FSDP2 fully_shard)")
+    g.add_argument(
+        "--world-size", type=int, default=None, metavar="N", help="ranks in the job (with --strategy)"
+    )
+    g.add_argument(
+        "--fsdp-units",
+        metavar="CLASS,...",
+        default=None,
+        help="class names of the modules sharded as FSDP units (default: each block of every nn.ModuleList)",
+    )
+    g.add_argument(
+        "--bucket-cap-mb", type=float, default=25.0, metavar="MB", help="DDP's bucket size (default 25)"
+    )
+    g.add_argument(
+        "--gradient-as-bucket-view",
+        action="store_true",
+        help="DDP's gradient_as_bucket_view (gradients live in the buckets: no second copy)",
+    )
+
+
+def _strategy(args: argparse.Namespace) -> Strategy | None:
+    if args.strategy is None:
+        if args.world_size is not None:
+            raise SpecError("--world-size goes with --strategy ddp|fsdp")
+        return None
+    if args.world_size is None:
+        raise SpecError(f"--strategy {args.strategy} needs --world-size N")
+    if args.strategy == "ddp":
+        return DDP(
+            args.world_size,
+            bucket_cap_mb=args.bucket_cap_mb,
+            gradient_as_bucket_view=args.gradient_as_bucket_view,
+        )
+    units = tuple(u.strip() for u in args.fsdp_units.split(",") if u.strip()) if args.fsdp_units else None
+    return FSDP(args.world_size, units=units)
 
 
 def _add_profile_parser(sub: Any, model_help: str) -> None:
@@ -192,6 +238,7 @@ def _add_max_batch_size_parser(sub: Any, model_help: str) -> None:
         dest="cap",
         help=f"the largest batch size considered (default {DEFAULT_CAP})",
     )
+    _add_strategy_flags(p)
 
 
 # ------------------------------------------------------------------------------------------ settings
@@ -230,7 +277,10 @@ def _build(spec: str, args: argparse.Namespace, inputs: InputSpec, kwargs: dict[
 
 
 def _settings(args: argparse.Namespace, inputs: InputSpec) -> str:
-    return f"{inputs.describe()}, {args.loss}, {args.optimizer}, {args.precision}, {args.device}"
+    text = f"{inputs.describe()}, {args.loss}, {args.optimizer}, {args.precision}, {args.device}"
+    if getattr(args, "strategy", None) is not None:
+        text += f", {args.strategy} on {args.world_size} ranks, per rank"
+    return text
 
 
 # ------------------------------------------------------------------------------------------ commands
@@ -239,7 +289,7 @@ def _settings(args: argparse.Namespace, inputs: InputSpec) -> str:
 def _estimate(args: argparse.Namespace, out: TextIO) -> None:
     inputs = _input_spec(args)
     case = _build(args.model, args, inputs, _model_kwargs(args.model_kwargs))
-    est = estimate_case(case, device=args.device)
+    est = estimate_case(case, device=args.device, strategy=_strategy(args))
     if args.json:
         print(json.dumps(est.to_json()), file=out)
         return
@@ -419,6 +469,7 @@ def _max_batch_size(args: argparse.Namespace, out: TextIO) -> None:
     if args.cap < 1:
         raise SpecError(f"--max-batch-size must be at least 1; got {args.cap}")
     inputs = _input_spec(args)
+    strategy = _strategy(args)
     # Built (for real) at --batch-size: small, and it checks the input and makes the target's shape;
     # every probe resizes that batch on the meta device.
     case = _build(args.model, args, inputs, _model_kwargs(args.model_kwargs))
@@ -438,6 +489,7 @@ def _max_batch_size(args: argparse.Namespace, out: TextIO) -> None:
         start=inputs.batch_size,
         cap=args.cap,
         progress=progress,
+        strategy=strategy,
     )
     if result.max_batch_size == 0 or result.capped:
         print(f"{PROG}: {result.message}", file=sys.stderr)

@@ -21,6 +21,7 @@ from lightning_memest.accounting.allocator import (
     replay_caching_allocator,
 )
 from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
+from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.events import Alloc, DataDependent, Event, OpEvent, Role, Tag
 from lightning_memest.engine.simulate import Simulation, simulate
 from lightning_memest.engine.step import (
@@ -31,7 +32,7 @@ from lightning_memest.engine.step import (
     check_precision,
     sum_loss,
 )
-from lightning_memest.lightning_step import lightning_precision, lightning_runner_factory
+from lightning_memest.lightning_step import lightning_precision, lightning_runner_factory, lightning_strategy
 from lightning_memest.report import (
     Breakdown,
     DataDependentRead,
@@ -51,6 +52,7 @@ def estimate_step(
     precision: str = "32-true",
     device: str | torch.device | None = None,
     steps: int = 2,
+    strategy: Strategy | None = None,
 ) -> StepEstimate:
     """Estimate the peak memory of training steps of ``model`` on ``batch``, without running them.
 
@@ -71,6 +73,10 @@ def estimate_step(
             CUDA's optimizer defaults and is accounted through the CUDA caching allocator model
             (``StepEstimate.approximate`` is then true).
         steps: steps to simulate (2: the first step and the steady state).
+        strategy: data parallelism, ``DDP(world_size)`` or ``FSDP(world_size)`` from
+            ``lightning_memest``: the step runs as rank 0 of it, with PyTorch's own DDP / FSDP2 code on
+            a fake process group, and every figure is one rank's. ``loss_fn`` then gets the DDP wrapper
+            (under FSDP the model itself, sharded).
 
     Example:
         >>> import torch
@@ -85,7 +91,14 @@ def estimate_step(
     """
     checked = check_precision(precision)
     sim = simulate_step(
-        model, batch, loss_fn=loss_fn, optimizer=optimizer, precision=checked, device=device, steps=steps
+        model,
+        batch,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        precision=checked,
+        device=device,
+        steps=steps,
+        strategy=strategy,
     )
     return estimate_from(model, sim, checked)
 
@@ -100,10 +113,11 @@ def simulate_step(
     device: str | torch.device | None = None,
     steps: int = 2,
     flops: bool = True,
+    strategy: Strategy | None = None,
 ) -> Simulation:
     """The simulation ``estimate_step`` reports on; ``flops=False`` records only what memory needs
     (for callers that want :func:`peak_bytes` alone, such as the batch-size search)."""
-    config = StepConfig(loss_fn, optimizer, check_precision(precision))
+    config = StepConfig(loss_fn, optimizer, check_precision(precision), strategy)
     return simulate(
         model, batch, config, device=device, steps=steps, capture=_captured if flops else _for_memory
     )
@@ -128,14 +142,16 @@ def simulate_lightning_step(
     trainer: pl.Trainer, module: pl.LightningModule, batch: Any, *, steps: int = 2, flops: bool = True
 ) -> Simulation:
     """The simulation ``estimate_lightning_step`` reports on (``flops`` as in :func:`simulate_step`)."""
+    strategy = lightning_strategy(trainer)
     return simulate(
         module,
         batch,
-        lightning_runner_factory(trainer),
+        lightning_runner_factory(trainer, strategy),
         device=trainer.strategy.root_device,
         steps=steps,
         capture=_captured if flops else _for_memory,
         precision=lightning_precision(trainer),
+        strategy=strategy,
     )
 
 

@@ -548,6 +548,9 @@ class _PhaseListener:
     def on_optimizer_state(self, state: list[Tensor]) -> None:
         self.tracker.on_optimizer_state(state)
 
+    def on_communication(self, buffers: list[Tensor]) -> None:
+        self.tracker.on_communication(buffers)
+
 
 class _NodeInterpreter(torch.fx.Interpreter):
     """Runs the graph node by node, telling the recorder which node runs."""

@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +53,8 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from lightning_memest.engine.fake import resident_tensors
-from lightning_memest.engine.step import StepConfig, StepRunner, optimizer_state_tensors
+from lightning_memest.engine.fake import local_tensor, resident_tensors
+from lightning_memest.engine.step import StepConfig, StepRunner
 
 __all__ = ["STEP_LABEL", "Measurement", "iter_tensors", "measure_step", "resident_bytes"]
 
@@ -106,8 +106,9 @@ def module_tensors(model: nn.Module) -> Iterator[Tensor]:
     # Plain tensor attributes (caches such as positional encodings) are resident too.
     for _, t, _ in resident_tensors(model):
         yield t
-        if t.grad is not None:
-            yield t.grad
+    for p in model.parameters():
+        if p.grad is not None:
+            yield local_tensor(p.grad)
 
 
 def resident_bytes(tensors: Iterable[Tensor]) -> int:
@@ -179,12 +180,17 @@ def cpu_step_peaks(
     return tuple(peaks)
 
 
-def measure_step(model: nn.Module, batch: Any, config: StepConfig, *, steps: int = 2) -> Measurement:
+def measure_step(
+    model: nn.Module | Callable[[], nn.Module], batch: Any, config: StepConfig, *, steps: int = 2
+) -> Measurement:
     """Run ``steps`` real training steps of ``model`` on ``batch`` and measure each one's peak memory.
 
     The model is trained in place (see the module docstring). The device is the model's (its first
     parameter's, else buffer's); the batch must already be there, and for ``*-true`` precisions already
-    converted.
+    converted. With a ``config.strategy`` the model is wrapped in real DDP / FSDP over the default
+    process group (``init_process_group`` first). ``model`` may be a factory (``lambda: Net()``): on
+    CPU the model is then built inside the measurement, which FSDP needs -- it frees the full parameters
+    when it shards them, and the profiler only sees frees of what it saw allocated.
 
     Example:
         >>> import torch
@@ -196,17 +202,20 @@ def measure_step(model: nn.Module, batch: Any, config: StepConfig, *, steps: int
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1; got {steps}")
-    runner = StepRunner(model, config)
-    device = next((t.device for t in module_tensors(model)), torch.device("cpu"))
+    built = model if isinstance(model, nn.Module) else None
+    device = _model_device(built) if built is not None else _batch_device(batch)
     if device.type == "cuda":
-        return _measure_cuda(runner, batch, steps, device)
+        return _measure_cuda(
+            StepRunner(built if built is not None else model(), config), batch, steps, device
+        )
     if device.type != "cpu":
         raise ValueError(f"measure_step measures CPU or CUDA models; this one is on {device}")
-    # Some optimizers (Adagrad, ASGD) create state in their constructor: resident before step 1 too.
-    optimizer_state = optimizer_state_tensors(runner.optimizer) if runner.optimizer else []
-    baseline = resident_bytes([*module_tensors(model), *iter_tensors(batch), *optimizer_state])
+    baseline = resident_bytes([*(module_tensors(built) if built is not None else ()), *iter_tensors(batch)])
     seconds: list[float] = []
     with _quiet_gc(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        # Built in the profile: what the constructors keep (optimizer state some optimizers create
+        # there, DDP's buckets, FSDP's shards) is in the running sum when the first step starts.
+        runner = StepRunner(built if built is not None else model(), config)
         for i in range(steps):
             t0 = time.perf_counter()
             with record_function(f"{STEP_LABEL}{i}"):
@@ -216,6 +225,14 @@ def measure_step(model: nn.Module, batch: Any, config: StepConfig, *, steps: int
             del loss
     peaks = cpu_step_peaks(prof.profiler.kineto_results.events(), steps, baseline)
     return Measurement(peaks, None, _mean_seconds(seconds), "cpu")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    return next((t.device for t in module_tensors(model)), torch.device("cpu"))
+
+
+def _batch_device(batch: Any) -> torch.device:
+    return next((t.device for t in iter_tensors(batch)), torch.device("cpu"))
 
 
 def _measure_cuda(runner: StepRunner, batch: Any, steps: int, device: torch.device) -> Measurement:
@@ -305,7 +322,9 @@ class StepProbe:
         self._window = record_function(f"{STEP_LABEL}{len(self._baselines) - 1}")
         self._window.__enter__()  # type: ignore[no-untyped-call]
 
-    def stop(self) -> None:
+    def stop(self, unseen_bytes: int = 0) -> None:
+        """End the step. ``unseen_bytes``: memory resident through the step that the profiler cannot
+        see and ``start``'s tensors did not name (DDP's buckets, allocated before it started)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
@@ -315,6 +334,7 @@ class StepProbe:
         if window is None:
             raise RuntimeError("StepProbe.stop() without start()")
         window.__exit__(None, None, None)
+        self._baselines[-1] += unseen_bytes
 
     def close(self) -> None:
         """Give the garbage collector back (``finish`` does; call it if the steps never end)."""

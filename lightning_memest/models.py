@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.step import (
     LossFn,
     OptimizerFactory,
@@ -416,8 +417,11 @@ def _convert_batch(batch: Any, device: torch.device, dtype: torch.dtype | None) 
     raise TypeError(f"unexpected batch element {type(batch).__name__}")
 
 
-def estimate_case(case: Case, *, device: str = "cpu", steps: int = 2) -> StepEstimate:
-    """Estimate the case with :func:`~lightning_memest.estimate.estimate_step` (the model is untouched).
+def estimate_case(
+    case: Case, *, device: str = "cpu", steps: int = 2, strategy: Strategy | None = None
+) -> StepEstimate:
+    """Estimate the case with :func:`~lightning_memest.estimate.estimate_step` (the model is untouched;
+    with a ``strategy``, as one rank of it).
 
     ``estimate_step`` converts for ``*-true`` precisions and places the fake tensors on ``device``
     itself, so the CPU float32 model and batch go in as they are.
@@ -432,6 +436,7 @@ def estimate_case(case: Case, *, device: str = "cpu", steps: int = 2) -> StepEst
         precision=case.config.precision,
         device=device,
         steps=steps,
+        strategy=strategy,
     )
 
 

@@ -18,6 +18,8 @@ _BREAKDOWN_DOC = {
     "buffers": "buffer storages (and other tensors a module holds)",
     "gradients": "storages that are, or become, a parameter's ``.grad``",
     "optimizer_state": "storages the optimizer keeps in its ``state``",
+    "communication": "data parallelism's storages: DDP's gradient buckets, FSDP's unsharded parameters "
+    "and collective buffers",
     "activations": "storages autograd saved for backward (that are none of the above)",
     "inputs": "the batch's storages",
     "temporaries": "everything else: intermediate results, workspaces",
@@ -33,6 +35,7 @@ class Breakdown:
     gradients: int
     optimizer_state: int
     activations: int
+    communication: int
     inputs: int
     temporaries: int
 

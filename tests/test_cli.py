@@ -30,6 +30,7 @@ BREAKDOWN_KEYS = {
     "buffers",
     "gradients",
     "optimizer_state",
+    "communication",
     "activations",
     "inputs",
     "temporaries",

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
 from lightning_memest.engine.events import Alloc, Event, Free, OpCall, OpEvent, Resize, Role, Tag
+from lightning_memest.engine.step import Phase
 
 ROLE_ORDER: tuple[Role, ...] = tuple(Role)
 _TEMPORARY = len(ROLE_ORDER)  # the breakdown slot of storages with no role
@@ -133,6 +134,8 @@ class _Replayer:
         if op is None or value <= self.op_high:
             return
         self.op_high = value
+        if op.phase is Phase.SETUP:
+            return  # building the optimizer or a DDP/FSDP wrapper happens before the step is measured
         step = op.step if op.step < len(self.best) else len(self.best) - 1
         best = self.best[step]
         if best is None or value > best.live_bytes:
@@ -154,8 +157,8 @@ class _Replayer:
 def replay(events: Sequence[Event], steps: int, kernel_fn: KernelFn | None = None) -> Replay:
     """Live bytes at every op's high point, and each step's peak with its breakdown by role.
 
-    Ops of the setup phase (step 0 before the first forward, e.g. optimizer construction) count
-    towards the first step.
+    What ops of the setup phase (optimizer construction, DDP/FSDP wrapping) leave alive counts towards
+    the first step; their transient high points do not (the step's measurement starts after them).
     """
     roles = final_roles(events)
     replayer = _Replayer(roles, steps, kernel_fn)
@@ -197,6 +200,7 @@ def replay_caching_allocator(
     allocated: list[int] = []
     reserved: list[int] = []
     step = 0
+    setup = True
     workspace = 0  # the current op's, held once its outputs are allocated
 
     def close_workspace() -> None:
@@ -218,9 +222,12 @@ def replay_caching_allocator(
         elif kind is Resize:
             assert isinstance(e, Resize)
             allocator.free(handles.pop(e.storage))
-            handles[e.storage] = allocator.malloc(e.nbytes)
+            handles[e.storage] = allocator.malloc(e.nbytes)  # 0 bytes (FSDP's freed storages): no block
         elif kind is OpEvent:
             assert isinstance(e, OpEvent)
+            if setup and e.phase is not Phase.SETUP:
+                setup = False
+                allocator.reset_peak_stats()  # as measure does once the model and optimizer are built
             library = library_workspace(e.op) if library_workspace is not None else None
             if library is not None and library[0] not in libraries:
                 libraries.add(library[0])

@@ -27,6 +27,9 @@ class Role(str, enum.Enum):
     INPUT = "inputs"
     OPTIMIZER_STATE = "optimizer_state"
     GRADIENT = "gradients"
+    COMMUNICATION = "communication"
+    """Data parallelism's own storages: DDP's gradient buckets, FSDP's unsharded parameters and its
+    all-gather / reduce-scatter buffers."""
     ACTIVATION = "activations"
 
 

@@ -12,6 +12,7 @@ keeps shared storages shared), meta and foreign tensors through ``from_meta_and_
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,16 +23,16 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
-# The mutable containers nn.Module keeps in its __dict__; their contents are restored, not only the
-# reference, because code may add to them in place (register_buffer inside forward, lazy modules).
-_MODULE_CONTAINERS = ("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set")
-
 
 @dataclass
 class _ModuleSnapshot:
     module: nn.Module
+    cls: type[nn.Module]
     attributes: dict[str, Any]
     containers: dict[str, Any]
+    """Copies of the dicts and sets in the module's ``__dict__`` (``_parameters``, ``_buffers``, the hook
+    dicts, ...): their contents are restored, not only the reference, because code adds to them in
+    place (``register_buffer`` inside forward, lazy modules, FSDP's hooks)."""
 
 
 class FakeConverter:
@@ -94,11 +95,13 @@ def fake_module(module: nn.Module, converter: FakeConverter) -> Iterator[nn.Modu
     snapshots = [
         _ModuleSnapshot(
             m,
+            type(m),
             dict(vars(m)),
-            {name: _copy_container(vars(m)[name]) for name in _MODULE_CONTAINERS if name in vars(m)},
+            {name: type(v)(v) for name, v in vars(m).items() if type(v) in _CONTAINERS},
         )
         for m in module.modules()
     ]
+    composed = _composable_modules()
     try:
         for snap in snapshots:
             m = snap.module
@@ -117,7 +120,10 @@ def fake_module(module: nn.Module, converter: FakeConverter) -> Iterator[nn.Modu
                     setattr_raw(m, name, type(value)(converter.any(v) for v in value))
         yield module
     finally:
+        _forget_composable_state(composed)
         for snap in snapshots:
+            if type(snap.module) is not snap.cls:
+                snap.module.__class__ = snap.cls  # fully_shard makes each unit an FSDPModule subclass
             state = vars(snap.module)
             state.clear()
             state.update(snap.attributes)
@@ -132,18 +138,44 @@ def setattr_raw(module: nn.Module, name: str, value: Any) -> None:
     object.__setattr__(module, name, value)
 
 
-def _copy_container(container: Any) -> Any:
-    return type(container)(container)
+_CONTAINERS = (dict, OrderedDict, set)
+
+
+def _composable_modules() -> set[int] | None:
+    """The modules a composable API (``fully_shard``) manages now, or ``None`` without distributed."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed import _composable_state
+
+    return {id(m) for m in _composable_state._module_state_mapping}
+
+
+def _forget_composable_state(before: set[int] | None) -> None:
+    """Drop the composable-API state registered during the simulation: ``fully_shard`` refuses a module
+    it has seen once, and the next simulation shards the same modules again."""
+    if before is None:
+        return
+    from torch.distributed import _composable_state
+
+    mapping = _composable_state._module_state_mapping
+    for m in [m for m in mapping if id(m) not in before]:
+        del mapping[m]
+
+
+def local_tensor(t: Tensor) -> Tensor:
+    """The tensor that holds the memory: a DTensor's local shard, else ``t`` itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, Tensor) else t
 
 
 def resident_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor, bool]]:
     """``(path, tensor, is_parameter)`` for every tensor a module holds: parameters, buffers, and
-    plain tensor attributes."""
+    plain tensor attributes (of a sharded parameter, the local shard)."""
     for path, m in module.named_modules():
         prefix = f"{path}." if path else ""
         for name, p in m._parameters.items():
             if p is not None:
-                yield prefix + name, p, True
+                yield prefix + name, local_tensor(p), True
         for name, b in m._buffers.items():
             if b is not None:
                 yield prefix + name, b, False

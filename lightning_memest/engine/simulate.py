@@ -18,6 +18,11 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves
 
+from lightning_memest.engine.distributed import (
+    Strategy,
+    fake_process_group,
+    untracked_sharding_propagation,
+)
 from lightning_memest.engine.events import Event, OpEvent, Role
 from lightning_memest.engine.fake import FakeConverter, fake_module, resident_tensors
 from lightning_memest.engine.step import StepConfig, StepListener, StepRunner, true_dtype
@@ -27,6 +32,7 @@ from lightning_memest.engine.tracker import (
     TrackingFakeTensorMode,
     module_scopes,
     saved_tensor_tags,
+    storage_resizes,
 )
 from lightning_memest.errors import EstimationError
 
@@ -65,13 +71,16 @@ def simulate(
     steps: int = 2,
     capture: CaptureFilter | None = None,
     precision: str = "32-true",
+    strategy: Strategy | None = None,
 ) -> Simulation:
     """Run ``steps`` training steps of ``model`` on fake tensors of ``device``; record every event.
 
     ``config`` describes the plain step (``StepRunner``), or is a factory of another runner (the
     Lightning one; ``precision`` then says how to convert the batch and weights -- a ``StepConfig``
-    carries its own). ``model`` is left exactly as it was (see ``engine.fake``), and so is the global RNG
-    state. ``capture`` picks the ops whose full call (argument shapes) is recorded.
+    carries its own, and so does its ``strategy``). With a ``strategy`` (DDP, FSDP) the step runs as one
+    rank of it, on a fake process group (see ``engine.distributed``). ``model`` is left exactly as it
+    was (see ``engine.fake``), and so is the global RNG state. ``capture`` picks the ops whose
+    full call (argument shapes) is recorded.
 
     Example:
         >>> import torch
@@ -89,6 +98,7 @@ def simulate(
     make_runner = _plain_runner(config) if isinstance(config, StepConfig) else config
     if isinstance(config, StepConfig):
         precision = config.precision
+        strategy = config.strategy
     converter = FakeConverter(mode, target, true_dtype(precision))
     with ExitStack() as stack:
         stack.enter_context(_preserved_rng(target))
@@ -99,13 +109,21 @@ def simulate(
         stack.enter_context(torch._dynamo.config.patch(disable=True))
         stack.enter_context(fake_module(model, converter))
         fake_batch = converter.batch(batch)
-        _add_residents(tracker, model, fake_batch)
+        for t, role, path in _residents(model, fake_batch):
+            tracker.add_resident(t, role, path)
         model.train()
+        if strategy is not None:
+            stack.enter_context(fake_process_group(strategy))
+            stack.enter_context(storage_resizes(tracker))
+            stack.enter_context(untracked_sharding_propagation(mode.untracked))
         stack.enter_context(mode)
         stack.enter_context(module_scopes(model, tracker))
         stack.enter_context(saved_tensor_tags(tracker))
         try:
             runner = make_runner(model, tracker)
+            if strategy is not None:
+                # FSDP replaced the parameters by their shards: those are what this rank holds.
+                tracker.settle_residents(_residents(model, fake_batch))
             for _ in range(steps):
                 runner.run(fake_batch)
         except EstimationError:
@@ -178,12 +196,13 @@ def _preserved_rng(device: torch.device) -> Iterator[None]:
         yield
 
 
-def _add_residents(tracker: Tracker, model: nn.Module, batch: Any) -> None:
-    for path, t, is_param in resident_tensors(model):
-        tracker.add_resident(t, Role.PARAMETER if is_param else Role.BUFFER, path)
-    for t in tree_leaves(batch):
-        if isinstance(t, Tensor):
-            tracker.add_resident(t, Role.INPUT, "")
+def _residents(model: nn.Module, batch: Any) -> list[tuple[Tensor, Role, str]]:
+    found = [
+        (t, Role.PARAMETER if is_param else Role.BUFFER, path)
+        for path, t, is_param in resident_tensors(model)
+    ]
+    found.extend((t, Role.INPUT, "") for t in tree_leaves(batch) if isinstance(t, Tensor))
+    return found
 
 
 def _last_op(events: Sequence[Event]) -> str | None:

@@ -26,6 +26,8 @@ from typing import Any, Literal, Protocol, get_args
 import torch
 from torch import Tensor, nn
 
+from lightning_memest.engine.distributed import Strategy, wrap
+
 Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 
@@ -123,6 +125,8 @@ class StepListener(Protocol):
 
     def on_optimizer_state(self, state: list[Tensor]) -> None: ...
 
+    def on_communication(self, buffers: list[Tensor]) -> None: ...
+
 
 @dataclass(frozen=True)
 class StepConfig:
@@ -131,16 +135,20 @@ class StepConfig:
     loss_fn: LossFn = sum_loss
     optimizer: OptimizerFactory | None = None
     precision: Precision = "32-true"
+    strategy: Strategy | None = None
+    """Data parallelism (``DDP`` / ``FSDP``): the model is wrapped, and ``loss_fn`` gets the wrapper."""
 
 
 class StepRunner:
     """Runs training steps of ``model`` with the optimizer built once, on the first step's parameters."""
 
     def __init__(self, model: nn.Module, config: StepConfig, listener: StepListener | None = None) -> None:
-        self.model = model
         self.config = config
         self.listener = listener
         self.device_type = _device_type(model)
+        if config.strategy is not None:
+            model = wrap(model, config.strategy, listener.on_communication if listener is not None else None)
+        self.model = model
         params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = config.optimizer(params) if config.optimizer is not None and params else None
         self.scaler: torch.amp.GradScaler | None = None

@@ -38,6 +38,7 @@ from lightning_memest.engine.events import (
     Tag,
     TensorMeta,
 )
+from lightning_memest.engine.fake import local_tensor
 from lightning_memest.engine.step import Phase
 from lightning_memest.errors import EstimationError
 
@@ -59,6 +60,7 @@ class Tracker:
         self._sizes: dict[int, int] = {}
         self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._next_handle = 0
+        self._residents: set[int] = set()
         self.op_index = -1
         self.phase = Phase.SETUP
         self.step = 0
@@ -92,13 +94,36 @@ class Tracker:
         return on_free
 
     def handle_of(self, t: Tensor) -> int | None:
-        """The handle of ``t``'s storage, if it is tracked."""
-        return self._handles.get(t.untyped_storage()._cdata)
+        """The handle of ``t``'s storage (a DTensor's local shard's), if it is tracked."""
+        return self._handles.get(local_tensor(t).untyped_storage()._cdata)
 
     def add_resident(self, t: Tensor, role: Role, path: str) -> None:
         """A storage that exists before the step (parameter, buffer, batch tensor)."""
-        handle = self._register(t.untyped_storage(), True, self.events)
+        handle = self._register(local_tensor(t).untyped_storage(), True, self.events)
+        self._residents.add(handle)
         self.events.append(Tag(handle, role, path))
+
+    def settle_residents(self, residents: list[tuple[Tensor, Role, str]]) -> None:
+        """The step's residents once a wrapper has been built: FSDP replaces each parameter by its shard,
+        and the full one no longer exists on this rank (the real run frees it, or never had it)."""
+        keep = {local_tensor(t).untyped_storage()._cdata for t, _, _ in residents}
+        for key, handle in list(self._handles.items()):
+            if handle in self._residents and key not in keep:
+                del self._handles[key], self._sizes[key], self._refs[key]
+                self._residents.discard(handle)
+                self.events.append(Free(handle))
+        for t, role, path in residents:
+            self.add_resident(t, role, path)
+
+    def on_storage_resize(self, storage: torch.UntypedStorage) -> None:
+        """``UntypedStorage.resize_`` (FSDP frees and re-allocates unsharded parameters so) bypasses
+        the dispatcher: the fake mode never sees it."""
+        key = storage._cdata
+        handle = self._handles.get(key)
+        nbytes = storage.nbytes()
+        if handle is not None and self._sizes[key] != nbytes:
+            self._sizes[key] = nbytes
+            self.events.append(Resize(handle, nbytes))
 
     def tag(self, tensors: list[Tensor], role: Role) -> None:
         module = self.module
@@ -125,6 +150,9 @@ class Tracker:
 
     def on_optimizer_state(self, state: list[Tensor]) -> None:
         self.tag(state, Role.OPTIMIZER_STATE)
+
+    def on_communication(self, buffers: list[Tensor]) -> None:
+        self.tag(buffers, Role.COMMUNICATION)
 
     def enter_module(self, path: str, backward: bool) -> None:
         if backward:
@@ -177,6 +205,8 @@ class Tracker:
                 op=str(func),
                 module=self.module,
             ) from exc
+        if out is NotImplemented:
+            return out  # a tensor subclass (DTensor) runs it as ops on its local tensors, seen next
         self._record(func, args, kwargs, out)
         return out
 
@@ -202,7 +232,10 @@ class Tracker:
         )
         # The op's event comes before its outputs' allocations, which it may need to name.
         allocs: list[Event] = []
-        handles = tuple(self._register(t.untyped_storage(), False, allocs) for t in leaves)
+        # Meta outputs hold no memory (DTensor propagates shardings on meta tensors of global shape).
+        handles = tuple(
+            -1 if t.is_meta else self._register(t.untyped_storage(), False, allocs) for t in leaves
+        )
         self.events.append(
             OpEvent(
                 self.op_index,
@@ -231,6 +264,15 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         self.tracker = tracker
         self._depth = 0
 
+    @contextmanager
+    def untracked(self) -> Iterator[None]:
+        """Ops inside run on fake tensors but are not reported (they are not part of the step)."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
     def __torch_dispatch__(
         self,
         func: torch._ops.OpOverload,
@@ -250,6 +292,27 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
                 self._depth -= 1
 
         return self.tracker.run_op(run, func, tuple(args), kwargs)
+
+
+@contextmanager
+def storage_resizes(tracker: Tracker) -> Iterator[None]:
+    """Report every ``UntypedStorage.resize_`` to the tracker while inside."""
+    original = torch.UntypedStorage.resize_
+    own = "resize_" in vars(torch.UntypedStorage)  # else inherited from torch._C.StorageBase
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        result = original(storage, size)
+        tracker.on_storage_resize(storage)
+        return result
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if own:
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+        else:
+            del torch.UntypedStorage.resize_
 
 
 def _meta(value: Any) -> Any:

@@ -1,0 +1,307 @@
+"""Data parallelism as one rank sees it: PyTorch's own DDP and FSDP2 over a fake process group.
+
+A strategy (:class:`DDP`, :class:`FSDP`) says how a model is wrapped for a given world size;
+:func:`wrap` wraps it with PyTorch's real classes (``DistributedDataParallel``, ``fully_shard``), the
+same way for a simulation on fake tensors and for a real, measured run. In a simulation the process
+group is the fake one PyTorch ships for its tests (``torch.testing._internal.distributed.fake_pg``):
+collectives return at once and move no data. That is all a memory estimate needs: every buffer DDP and
+FSDP allocate -- gradient buckets, sharded parameters, all-gathered units, reduce-scatter inputs -- is
+allocated by their own code, exactly as on a real rank.
+
+What the fake run has to be helped with (all of it about data a fake tensor does not have):
+DDP's construction-time check that all ranks hold the same shapes (it reads the tensors), its
+first-step re-bucketing (it exchanges bucket indices as tensor data: skipped, the buckets keep their
+initial layout, the same bytes), and its all-reduce, whose fake future carries no tensor (a comm hook
+returns the bucket itself, which is what the in-place all-reduce leaves).
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> from lightning_memest import estimate_step
+    >>> from lightning_memest.engine.distributed import FSDP
+    >>> model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
+    >>> est = estimate_step(model, torch.randn(8, 256), optimizer=torch.optim.Adam,
+    ...                     strategy=FSDP(world_size=4, units=("Linear",)))
+    >>> est.steady_state.breakdown.parameters  # each rank holds a quarter of 2 * (256 * 256 + 256) floats
+    131584
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+from lightning_memest.errors import EstimationError
+
+#: Called with storages that belong to data parallelism (buckets, unsharded parameters), to tag them.
+BufferListener = Callable[[list[Tensor]], None]
+
+_group: ContextVar[Any] = ContextVar("memest_fake_group", default=None)
+
+
+@dataclass(frozen=True)
+class DDP:
+    """``DistributedDataParallel`` on ``world_size`` ranks, seen from rank ``rank``.
+
+    ``bucket_cap_mb`` and ``gradient_as_bucket_view`` are DDP's own arguments (Lightning passes them
+    through ``DDPStrategy(**kwargs)``). Without ``gradient_as_bucket_view`` DDP keeps a bucket copy of
+    every gradient: the parameters' size again, on every rank.
+    """
+
+    world_size: int
+    rank: int = 0
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = False
+
+    def __post_init__(self) -> None:
+        _check_ranks(self.world_size, self.rank)
+
+
+@dataclass(frozen=True)
+class FSDP:
+    """FSDP2 (``fully_shard``) on ``world_size`` ranks, seen from rank ``rank``.
+
+    ``units`` names the module classes sharded as units (each instance gets ``fully_shard``, inner ones
+    first, then the root); ``None`` shards each block of every ``nn.ModuleList`` (the transformer
+    layers, as torchtitan and Lightning's examples do) and then the root. ``param_dtype`` and
+    ``reduce_dtype`` are the ``MixedPrecisionPolicy``; ``reshard_after_forward`` as in ``fully_shard``.
+    """
+
+    world_size: int
+    rank: int = 0
+    units: tuple[str | type[nn.Module], ...] | None = None
+    reshard_after_forward: bool = True
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        _check_ranks(self.world_size, self.rank)
+
+
+Strategy = DDP | FSDP
+STRATEGIES = ("ddp", "fsdp")
+
+
+def strategy_from_name(name: str, world_size: int, **options: Any) -> Strategy:
+    """``"ddp"`` or ``"fsdp"`` and a world size (the CLI's ``--strategy`` / ``--world-size``)."""
+    if name == "ddp":
+        return DDP(world_size, **options)
+    if name == "fsdp":
+        return FSDP(world_size, **options)
+    raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {name!r}")
+
+
+def _check_ranks(world_size: int, rank: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1; got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}); got {rank}")
+
+
+def _dist() -> Any:
+    if not torch.distributed.is_available():
+        raise EstimationError("this PyTorch build has no torch.distributed: DDP/FSDP cannot be simulated")
+    return torch.distributed
+
+
+@contextlib.contextmanager
+def fake_process_group(strategy: Strategy) -> Iterator[None]:
+    """A fake process group of the strategy's world size for :func:`wrap` to use inside the block.
+
+    Without a process group in this process, the default one is created (backend ``fake``, this
+    rank) and destroyed on exit. Inside a real distributed job (the callback under DDP), a fake group
+    over the job's ranks is made with ``new_group`` -- which every rank has to call, as every rank
+    estimates.
+    """
+    dist = _dist()
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not dist.is_initialized():
+        dist.init_process_group("fake", store=FakeStore(), rank=strategy.rank, world_size=strategy.world_size)
+        token = _group.set(dist.group.WORLD)
+        try:
+            yield
+        finally:
+            _group.reset(token)
+            dist.destroy_process_group()
+        return
+    if dist.get_world_size() != strategy.world_size:
+        raise EstimationError(
+            f"this process is in a job of {dist.get_world_size()} ranks; it cannot simulate "
+            f"{strategy.world_size} (estimate in a process without a process group)"
+        )
+    group = dist.new_group(backend="fake")
+    token = _group.set(group)
+    try:
+        yield
+    finally:
+        _group.reset(token)
+        dist.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def untracked_sharding_propagation(
+    untracked: Callable[[], contextlib.AbstractContextManager[None]],
+) -> Iterator[None]:
+    """DTensor works out an op's output shape by running it on fake tensors of the *global* shape, in
+    whatever fake mode is active -- the simulation's. Those runs allocate nothing on a real rank:
+    ``untracked()`` keeps them out of the event stream."""
+    try:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    except ImportError:  # no DTensor in this build: nothing to hide
+        yield
+        return
+    name = "_propagate_tensor_meta_non_cached"
+    original = getattr(ShardingPropagator, name, None)
+    if original is None:
+        yield
+        return
+
+    def propagate(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with untracked():
+            return original(self, *args, **kwargs)
+
+    setattr(ShardingPropagator, name, propagate)
+    try:
+        yield
+    finally:
+        setattr(ShardingPropagator, name, original)
+
+
+def wrap(model: nn.Module, strategy: Strategy, on_buffers: BufferListener | None = None) -> nn.Module:
+    """``model`` wrapped by ``strategy`` with PyTorch's classes: the module a training step calls.
+
+    The process group is the fake one inside :func:`fake_process_group`, else the default (real) one.
+    Under FSDP the model itself becomes the sharded module (``fully_shard`` works in place).
+    """
+    dist = _dist()
+    group = _group.get() or dist.group.WORLD
+    if group is None:
+        raise EstimationError(
+            f"{type(strategy).__name__} needs a process group: call init_process_group first"
+        )
+    fake = any(isinstance(p, FakeTensor) for p in model.parameters())
+    if isinstance(strategy, DDP):
+        return _ddp(model, strategy, group, fake, on_buffers)
+    return _fsdp(model, strategy, group, on_buffers)
+
+
+def _ddp(
+    model: nn.Module, strategy: DDP, group: Any, fake: bool, on_buffers: BufferListener | None
+) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.nn.parallel import distributed as ddp_module
+
+    dist = _dist()
+
+    options: dict[str, Any] = {
+        "process_group": group,
+        "bucket_cap_mb": strategy.bucket_cap_mb,
+        "gradient_as_bucket_view": strategy.gradient_as_bucket_view,
+    }
+    if not fake:
+        return DistributedDataParallel(model, **options)
+    name = "_verify_param_shape_across_processes"  # reads tensor data
+    check = getattr(ddp_module, name)
+    setattr(ddp_module, name, lambda *args, **kwargs: None)
+    try:
+        # init_sync=False: the broadcast of the initial weights moves data, and its coalescing buffer is
+        # a transient of construction, before any step.
+        wrapped = DistributedDataParallel(model, init_sync=False, **options)
+    finally:
+        setattr(ddp_module, name, check)
+    # DDP checks a hook's annotations as objects; this module's are strings (postponed evaluation).
+    _bucket_allreduce.__annotations__.update(
+        bucket=dist.GradBucket, **{"return": torch.futures.Future[Tensor]}
+    )
+    wrapped.register_comm_hook(on_buffers, _bucket_allreduce)
+    wrapped.reducer = _KeepBuckets(wrapped.reducer)  # type: ignore[assignment]
+    return wrapped
+
+
+def _bucket_allreduce(on_buffers: BufferListener | None, bucket: Any) -> torch.futures.Future[Tensor]:
+    """The all-reduce of a fake run: the bucket, reduced in place (no data moves, no memory either)."""
+    buffer: Tensor = bucket.buffer()
+    if on_buffers is not None:
+        on_buffers([buffer])
+    future: torch.futures.Future[Tensor] = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+class _KeepBuckets:
+    """DDP's reducer, without the re-bucketing after the first step (it exchanges indices as tensor
+    data). The buckets keep their first layout: the same parameters, so the same bytes."""
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+
+def _fsdp(model: nn.Module, strategy: FSDP, group: Any, on_buffers: BufferListener | None) -> nn.Module:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    with unset_fake_temporarily():  # the mesh is a small real tensor of ranks, read by its constructor
+        mesh = DeviceMesh.from_group(group, device.type)
+    options: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": strategy.reshard_after_forward,
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=strategy.param_dtype, reduce_dtype=strategy.reduce_dtype
+        ),
+    }
+    for unit in fsdp_units(model, strategy.units):
+        fully_shard(unit, **options)
+    fully_shard(model, **options)
+    if on_buffers is not None:
+        model.register_forward_hook(lambda *_: on_buffers(unsharded_buffers(model)), always_call=True)
+    return model
+
+
+def fsdp_units(model: nn.Module, units: tuple[str | type[nn.Module], ...] | None) -> list[nn.Module]:
+    """The submodules to shard as units, inner ones first (``fully_shard`` goes bottom-up)."""
+    if units is None:
+        chosen = [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
+    else:
+        names = {u for u in units if isinstance(u, str)}
+        types = tuple(u for u in units if isinstance(u, type))
+        chosen = [m for m in model.modules() if isinstance(m, types) or type(m).__name__ in names]
+        missing = names - {type(m).__name__ for m in chosen}
+        if missing:
+            raise EstimationError(
+                f"FSDP units: the model has no module of class {', '.join(sorted(missing))}"
+            )
+    seen: set[int] = set()
+    ordered = []
+    for m in reversed(chosen):  # modules() is pre-order: reversed, children come before parents
+        if m is not model and id(m) not in seen:
+            seen.add(id(m))
+            ordered.append(m)
+    return ordered
+
+
+def unsharded_buffers(model: nn.Module) -> list[Tensor]:
+    """The all-gather outputs FSDP keeps per parameter (the unsharded weights, freed by resizing their
+    storage to 0 between uses). FSDP2 internals, read defensively: none found means no tags."""
+    found: list[Tensor] = []
+    for m in model.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if get_state is not None else None
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            found.extend(t for t in getattr(fsdp_param, "all_gather_outputs", ()) if isinstance(t, Tensor))
+    return found

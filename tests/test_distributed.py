@@ -1,0 +1,160 @@
+"""Per-rank estimates under DDP and FSDP2: PyTorch's own classes on a fake process group.
+
+Checked against what the strategies are defined to do (FSDP shards the model states by the world size;
+DDP adds its gradient buckets) and against real two-process CPU runs with the gloo backend, measured
+per rank with the profiler's allocator events (``tests/dist_worker.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_memest import DDP, FSDP, EstimationError, estimate_step, max_batch_size
+from lightning_memest.cli import main
+from lightning_memest.engine.distributed import fsdp_units
+from tests import dist_worker
+from tests.models import TinyGPT, lm_batch
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    # Odd first dimensions: FSDP pads each shard to ceil(rows / N) rows.
+    return nn.Sequential(nn.Linear(300, 1001), nn.ReLU(), nn.Linear(1001, 257), nn.ReLU(), nn.Linear(257, 10))
+
+
+def _states(est_breakdown: object) -> tuple[int, int, int]:
+    b = est_breakdown
+    return b.parameters, b.gradients, b.optimizer_state  # type: ignore[attr-defined]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_divides_parameters_gradients_and_optimizer_state_by_the_world_size(world: int) -> None:
+    model, x = _mlp(), torch.randn(16, 300)
+    plain = estimate_step(model, x, optimizer=torch.optim.Adam)
+    sharded = estimate_step(model, x, optimizer=torch.optim.Adam, strategy=FSDP(world, units=("Linear",)))
+    params = list(model.parameters())
+    # Rank 0's shard of each parameter: ceil(rows / N) rows, padded to that on every rank.
+    shard = sum(math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) * 4 for p in params)
+    assert sharded.steady_state.breakdown.parameters == shard
+    whole = plain.steady_state.breakdown
+    assert shard - whole.parameters / world <= sum(p.numel() // p.shape[0] * 4 for p in params)
+    # Adam's moments follow the parameters' shards; the step counters (4 B each) are not sharded.
+    counters = 4 * len(params)
+    assert sharded.steady_state.breakdown.optimizer_state == pytest.approx(
+        (whole.optimizer_state - counters) / world + counters, rel=0.01
+    )
+    # Every gradient is sharded: the largest gradient bytes of any moment is at most one shard set.
+    grads = max(p.breakdown.gradients for p in sharded.peaks)
+    assert 0 < grads <= shard
+    assert all(p.bytes < q.bytes for p, q in zip(sharded.peaks, plain.peaks, strict=True))
+
+
+def test_ddp_adds_one_bucket_copy_of_the_gradients_unless_they_are_bucket_views() -> None:
+    model, x = _mlp(), torch.randn(16, 300)
+    param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    plain = estimate_step(model, x, optimizer=torch.optim.SGD)
+    ddp = estimate_step(model, x, optimizer=torch.optim.SGD, strategy=DDP(2))
+    views = estimate_step(model, x, optimizer=torch.optim.SGD, strategy=DDP(2, gradient_as_bucket_view=True))
+    for a, b in zip(plain.peaks, ddp.peaks, strict=True):
+        assert b.bytes - a.bytes == param_bytes
+    assert ddp.steady_state.breakdown.communication == param_bytes
+    # With bucket views the gradients are the buckets: one copy, alive across steps (zero_grad's
+    # set_to_none drops the views, not the buckets).
+    assert views.steady_state.breakdown.gradients == param_bytes
+    assert views.steady_state.breakdown.communication == 0
+    assert all(v.bytes < d.bytes for v, d in zip(views.peaks, ddp.peaks, strict=True))
+
+
+def test_the_model_is_left_as_it_was_and_can_be_estimated_again() -> None:
+    model = _mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    classes = [type(m) for m in model.modules()]
+    hooks = [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
+    x = torch.randn(4, 300)
+    first = estimate_step(model, x, optimizer=torch.optim.Adam, strategy=FSDP(2, units=("Linear",)))
+    again = estimate_step(model, x, optimizer=torch.optim.Adam, strategy=FSDP(2, units=("Linear",)))
+    estimate_step(model, x, optimizer=torch.optim.Adam, strategy=DDP(2))
+    assert [p.bytes for p in first.peaks] == [p.bytes for p in again.peaks]
+    assert [type(m) for m in model.modules()] == classes
+    assert [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()] == hooks
+    assert all(type(p) is nn.Parameter and p.grad is None for p in model.parameters())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not torch.distributed.is_initialized()
+    model(x).sum().backward()  # and it still trains
+
+
+def test_default_fsdp_units_are_the_blocks_of_module_lists() -> None:
+    model = TinyGPT(n_layers=3)
+    assert fsdp_units(model, None) == list(reversed(list(model.blocks)))
+    with pytest.raises(EstimationError, match="no module of class Conv2d"):
+        fsdp_units(model, ("Conv2d",))
+
+
+@pytest.fixture(scope="module")
+def measured() -> Iterator[dict[str, dict[int, tuple[int, ...]]]]:
+    results = {}
+    for name, strategy in (("ddp", DDP(2)), ("fsdp", FSDP(2))):
+        results[name] = dist_worker.run_ranks(strategy, _free_port())
+    yield results
+
+
+@pytest.mark.parametrize(
+    ("name", "strategy"),
+    [("ddp", DDP(2)), ("ddp-rank1", DDP(2, rank=1)), ("fsdp", FSDP(2)), ("fsdp-rank1", FSDP(2, rank=1))],
+)
+def test_per_rank_estimate_matches_a_real_two_process_gloo_run(
+    measured: dict[str, dict[int, tuple[int, ...]]], name: str, strategy: DDP | FSDP
+) -> None:
+    est = estimate_step(
+        dist_worker.build(), dist_worker.batch(), optimizer=dist_worker.optimizer, strategy=strategy
+    )
+    truth = measured[name.split("-")[0]][strategy.rank]
+    for e, m in zip(est.peaks, truth, strict=True):
+        assert abs(e.bytes - m) / m <= 0.02, (name, [p.bytes for p in est.peaks], truth)
+
+
+def test_max_batch_size_per_rank_grows_with_fsdp() -> None:
+    model = TinyGPT(n_layers=2)
+    tokens = lm_batch(4)[0]
+
+    def make(n: int) -> torch.Tensor:
+        return torch.empty(n, tokens.shape[1], dtype=tokens.dtype, device="meta")
+
+    budget = 120 * 2**20
+    plain = max_batch_size(model, make, budget, optimizer=torch.optim.AdamW)
+    sharded = max_batch_size(model, make, budget, optimizer=torch.optim.AdamW, strategy=FSDP(4))
+    assert sharded.max_batch_size > plain.max_batch_size > 0
+    at_max = estimate_step(model, make(sharded.max_batch_size), optimizer=torch.optim.AdamW, strategy=FSDP(4))
+    over = estimate_step(
+        model, make(sharded.max_batch_size + 1), optimizer=torch.optim.AdamW, strategy=FSDP(4)
+    )
+    assert at_max.peak_bytes <= budget < over.peak_bytes
+
+
+def test_cli_estimates_one_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["estimate", "tests.models:TinyGPT", "--tokens", "128", "--vocab", "1000", "--batch-size", "4"]
+    assert main([*args, "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*args, "--strategy", "fsdp", "--world-size", "4", "--json"]) == 0
+    fsdp = json.loads(capsys.readouterr().out)
+    assert fsdp.keys() == plain.keys()
+    assert fsdp["peak_bytes"]["steady_state"] < plain["peak_bytes"]["steady_state"]
+    assert main([*args, "--strategy", "ddp", "--world-size", "8"]) == 0
+    assert "ddp on 8 ranks, per rank" in capsys.readouterr().out
+    assert main([*args, "--strategy", "ddp"]) == 2
+    assert "--world-size" in capsys.readouterr().err
