@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
@@ -119,6 +120,7 @@ class MemEstimate(ModelSummary):
         self.setup_seconds: float | None = None
         """Wall seconds the estimate added to fit start (the batch, the simulation, the accounting)."""
         self._probe: StepProbe | None = None
+        self._unseen: _UnseenBuckets | None = None
         self._steps_started = 0
         self._warned = False
 
@@ -227,6 +229,7 @@ class MemEstimate(ModelSummary):
         probe = self._probe
 
         def start() -> bool:
+            self._unseen = _UnseenBuckets.at_step_start(trainer)
             probe.start(_resident_tensors(trainer, pl_module, batch))
             return True
 
@@ -244,7 +247,8 @@ class MemEstimate(ModelSummary):
             return
 
         def stop() -> bool:
-            probe.stop()
+            unseen = self._unseen
+            probe.stop(unseen.bytes_at_step_end() if unseen is not None else 0)
             return True
 
         if self._safely("measuring", stop) is None:
@@ -351,6 +355,34 @@ def _set_flops_per_batch(pl_module: pl.LightningModule, estimate: StepEstimate) 
     """Lightning's ThroughputMonitor reads ``flops_per_batch`` to report MFU; a user's value wins."""
     if estimate.flops is not None and getattr(pl_module, "flops_per_batch", None) is None:
         setattr(pl_module, "flops_per_batch", estimate.flops.forward + (estimate.flops.backward or 0))  # noqa: B010
+
+
+@dataclass(frozen=True)
+class _UnseenBuckets:
+    """DDP's gradient buckets, for the CPU ground truth: allocated when DDP wrapped the model (before the
+    profiler started, so it never sees them) and named by no tensor the callback can reach -- but DDP
+    reports their sizes. DDP re-buckets once, early in the second step; the profiler sees the new
+    buckets allocated then (and not the old ones freed), so a step in which that happened needs
+    nothing added."""
+
+    ddp: DistributedDataParallel
+    rebuilt_at_start: bool
+    grads_are_buckets: bool
+
+    @staticmethod
+    def at_step_start(trainer: pl.Trainer) -> _UnseenBuckets | None:
+        ddp = getattr(trainer.strategy, "model", None)
+        if not isinstance(ddp, DistributedDataParallel) or trainer.strategy.root_device.type != "cpu":
+            return None
+        # With gradient_as_bucket_view, existing gradients are views of the buckets: already counted.
+        views = ddp.gradient_as_bucket_view and any(p.grad is not None for p in ddp.parameters())
+        return _UnseenBuckets(ddp, bool(ddp._has_rebuilt_buckets), views)
+
+    def bytes_at_step_end(self) -> int:
+        if self.grads_are_buckets or bool(self.ddp._has_rebuilt_buckets) != self.rebuilt_at_start:
+            return 0
+        sizes = str(self.ddp._get_ddp_logging_data().get("bucket_sizes", ""))  # type: ignore[no-untyped-call]
+        return sum(int(n) for n in sizes.replace(",", " ").split())
 
 
 def _resident_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[Tensor]:

@@ -26,9 +26,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
 
+from lightning_memest.engine.distributed import DDP, Strategy, wrap
 from lightning_memest.engine.fake import setattr_raw
 from lightning_memest.engine.step import (
     Phase,
@@ -77,6 +79,7 @@ class LightningRunner:
         gradient_clip_val: int | float | None = None,
         gradient_clip_algorithm: str | None = None,
         step_context: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
+        strategy: Strategy | None = None,
     ) -> None:
         self.module = module
         self.listener = listener
@@ -91,6 +94,11 @@ class LightningRunner:
         self._current_phase = Phase.FORWARD
         self._toggled: dict[nn.Parameter, bool] = {}
         self._install_module_api()
+        # Under DDP the fit loop calls training_step through the DDP wrapper (its forward prepares the
+        # reducer for backward); built before the optimizers, as in strategy.setup.
+        self._training_step: Callable[[Any, int], Any] = module.training_step
+        if strategy is not None:
+            self._training_step = wrap(_TrainingStep(module), strategy, listener.on_communication)
         optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
         self.optimizers: list[torch.optim.Optimizer] = list(optimizers)
         self.schedulers = [config.scheduler for config in schedulers]
@@ -203,7 +211,7 @@ class LightningRunner:
         batch = module.on_after_batch_transfer(batch, 0)
         if not module.automatic_optimization:
             with self.step_context():
-                output = module.training_step(batch, batch_idx)
+                output = self._training_step(batch, batch_idx)
         else:
             output = self._automatic(batch, batch_idx)
         self.steps_run += 1
@@ -213,7 +221,7 @@ class LightningRunner:
         module = self.module
         optimizer = self.optimizers[0] if self.optimizers else None
         with self.step_context():
-            loss = _loss_of(module.training_step(batch, batch_idx))
+            loss = _loss_of(self._training_step(batch, batch_idx))
         if optimizer is not None and batch_idx % self.accumulate == 0:
             self._phase(Phase.ZERO_GRAD)
             module.optimizer_zero_grad(module.current_epoch, batch_idx, optimizer)
@@ -237,8 +245,50 @@ class LightningRunner:
         return loss
 
 
-def lightning_runner_factory(trainer: pl.Trainer) -> Callable[[nn.Module, StepListener], LightningRunner]:
-    """The runner factory ``engine.simulate`` calls, configured from the trainer's settings."""
+class _TrainingStep(nn.Module):
+    """``training_step`` as a module's forward, for DDP to wrap (Lightning's wrapper does the same)."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Any, batch_idx: int) -> Any:
+        return self.module.training_step(batch, batch_idx)
+
+
+def lightning_strategy(trainer: pl.Trainer) -> Strategy | None:
+    """The data parallelism the trainer trains with, as the simulation runs it (``None``: none).
+
+    ``DDPStrategy`` (``ddp``, ``ddp_spawn``, ...) becomes :class:`DDP` with its bucket settings, as this
+    rank. Sharded strategies (FSDP, model parallel, DeepSpeed) have already sharded the module by fit
+    start; simulating them inside ``fit`` is not supported: an ``EstimationError`` says so (the
+    callback turns it into one warning). ``memest estimate --strategy fsdp`` answers for them.
+    """
+    strategy = trainer.strategy
+    if isinstance(strategy, DDPStrategy):
+        kwargs = getattr(strategy, "_ddp_kwargs", {})
+        return DDP(
+            trainer.world_size,
+            rank=trainer.global_rank,
+            bucket_cap_mb=float(kwargs.get("bucket_cap_mb") or 25.0),
+            gradient_as_bucket_view=bool(kwargs.get("gradient_as_bucket_view", False)),
+        )
+    if any(cls.__name__ in _SHARDED for cls in type(strategy).__mro__):
+        raise EstimationError(
+            f"per-rank estimates under {type(strategy).__name__} are not simulated inside fit yet: the "
+            "module is already sharded at fit start (use `memest estimate --strategy fsdp --world-size N`)"
+        )
+    return None
+
+
+_SHARDED = frozenset({"FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy", "XLAFSDPStrategy"})
+
+
+def lightning_runner_factory(
+    trainer: pl.Trainer, strategy: Strategy | None = None
+) -> Callable[[nn.Module, StepListener], LightningRunner]:
+    """The runner factory ``engine.simulate`` calls, configured from the trainer's settings
+    (``strategy``: :func:`lightning_strategy`, which ``simulate`` must be given too)."""
     precision = lightning_precision(trainer)
 
     def make(module: nn.Module, listener: StepListener) -> LightningRunner:
@@ -252,6 +302,7 @@ def lightning_runner_factory(trainer: pl.Trainer) -> Callable[[nn.Module, StepLi
             gradient_clip_val=trainer.gradient_clip_val,
             gradient_clip_algorithm=trainer.gradient_clip_algorithm,
             step_context=trainer.precision_plugin.train_step_context,
+            strategy=strategy,
         )
 
     return make
