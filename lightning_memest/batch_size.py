@@ -72,7 +72,7 @@ from typing_extensions import override
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.step import LossFn, OptimizerFactory, sum_loss
 from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError
-from lightning_memest.estimate import peak_bytes, simulate_lightning_step, simulate_step
+from lightning_memest.estimate import PeakProfile, peak_profile, simulate_lightning_step, simulate_step
 from lightning_memest.lightning_step import first_batch
 from lightning_memest.measure import module_tensors, resident_bytes
 from lightning_memest.report import StepEstimate, format_bytes
@@ -269,18 +269,26 @@ class BatchSizeResult:
 
 @dataclass
 class _Search:
-    peak_of: Callable[[int], int]
+    peak_of: Callable[[int], int | PeakProfile]
     budget: int
     progress: Progress | None
     probes: list[tuple[int, int]] = field(default_factory=list)
     known: dict[int, int] = field(default_factory=dict)
+    curves: dict[int, tuple[int, ...]] = field(default_factory=dict)
 
     def peak(self, n: int) -> int:
         if n not in self.known:
             try:
-                value = self.peak_of(n)
+                answer = self.peak_of(n)
             except EstimationError as e:
                 raise _at_batch_size(e, n) from e
+            if isinstance(answer, PeakProfile):
+                value = answer.peak
+                # Shifted so that its top is the peak (a CUDA peak counts whole allocator blocks).
+                shift = value - max(answer.curve, default=value)
+                self.curves[n] = tuple(c + shift for c in answer.curve)
+            else:
+                value = answer
             self.known[n] = value
             self.probes.append((n, value))
             if self.progress is not None:
@@ -289,6 +297,21 @@ class _Search:
 
     def fits(self, n: int) -> bool:
         return self.peak(n) <= self.budget
+
+    def curve_guess(self, a: int, b: int) -> float | None:
+        """The largest size whose predicted peak fits: each point of the memory curve follows its own
+        line through sizes ``a`` and ``b``, and the peak is the highest of them (None: no curves, or
+        the two runs did not run the same ops)."""
+        ca, cb = self.curves.get(a), self.curves.get(b)
+        if ca is None or cb is None or len(ca) != len(cb) or not ca:
+            return None
+        guess = math.inf
+        for pa, pb in zip(ca, cb, strict=True):
+            if pb > pa:
+                guess = min(guess, a + (self.budget - pa) * (b - a) / (pb - pa))
+            elif pa > self.budget:
+                return None  # a point over the budget that does not grow: the lines cannot say
+        return guess if guess != math.inf else None
 
     def line_guess(self, a: int, b: int) -> float | None:
         """Where the line through the peaks at ``a`` and ``b`` crosses the budget (None: flat or falling)."""
@@ -305,7 +328,7 @@ def _at_batch_size(e: EstimationError, n: int) -> EstimationError:
 
 
 def search_batch_size(
-    peak_of: Callable[[int], int],
+    peak_of: Callable[[int], int | PeakProfile],
     budget_bytes: int,
     *,
     start: int = 8,
@@ -314,12 +337,13 @@ def search_batch_size(
 ) -> BatchSizeResult:
     """The largest ``n <= cap`` with ``peak_of(n) <= budget_bytes < peak_of(n + 1)`` (0: none fits).
 
-    ``peak_of`` is any peak model (one estimator run per call; each ``n`` is asked once). It probes 1
-    and ``start``, extrapolates the line through the two points nearest the boundary to the budget,
-    and verifies the guess and its neighbour; when the line was wrong, the next guesses interpolate
-    inside the bracket, and bisect when that does not halve it. The result is exact for any
-    ``peak_of`` that is non-decreasing; for one that is not, the answer is still a size that fits next
-    to one that does not.
+    ``peak_of`` is any peak model (one estimator run per call; each ``n`` is asked once), returning the
+    peak or a :class:`~lightning_memest.estimate.PeakProfile`. It probes 1 and ``start``, extrapolates
+    to the budget (through the two probes nearest the boundary: the lines of their memory curves when
+    it has them, else the line of their peaks), and verifies the guess and its neighbour; when the
+    guess was wrong, the next guesses interpolate inside the bracket, and bisect when that does not
+    halve it. The result is exact for any ``peak_of`` that is non-decreasing; for one that is not, the
+    answer is still a size that fits next to one that does not.
 
     >>> r = search_batch_size(lambda n: 1000 + 37 * n, 10_000)
     >>> r.max_batch_size, [n for n, _ in r.probes]  # an affine peak: two probes to fit, two to verify
@@ -357,10 +381,14 @@ def search_batch_size(
         bracket = (lo, hi)
         guess: float | None = None
         if hi is None:
-            # Extrapolate the line through the two largest sizes that fit (1 and ``start`` at first).
+            # Extrapolate from the two largest sizes that fit (1 and ``start`` at first): the lines of
+            # the memory curves when the probes have them, else the line of the peaks.
             a = max(n for n in s.known if n < lo)
-            if s.known[lo] > s.known[a]:
+            guess = s.curve_guess(a, lo)
+            if guess is None and s.known[lo] > s.known[a]:
                 guess = lo + (budget_bytes - s.known[lo]) * (lo - a) / (s.known[lo] - s.known[a])
+        elif (curved := s.curve_guess(lo, hi)) is not None and len(widths) < 3:
+            guess = curved
         else:
             # Interpolate inside the bracket (regula falsi, with the Illinois weights so that a curved
             # peak does not pin one end); bisect when the bracket shrinks too slowly all the same.
@@ -426,7 +454,7 @@ def max_batch_size(
         (1096, True)
     """
 
-    def peak_of(n: int) -> int:
+    def peak_of(n: int) -> PeakProfile:
         # estimate_step(...).peak_bytes, without FLOPs or the report: a probe only needs the peak.
         sim = simulate_step(
             model,
@@ -439,7 +467,7 @@ def max_batch_size(
             flops=False,
             strategy=strategy,
         )
-        return peak_bytes(sim)
+        return peak_profile(sim)
 
     return search_batch_size(peak_of, budget_bytes, start=start, cap=cap, progress=progress)
 
@@ -462,8 +490,9 @@ def lightning_max_batch_size(
     """
     old = batch_size_of(batch) if batch_size is None else batch_size
 
-    def peak_of(n: int) -> int:
-        return peak_bytes(simulate_lightning_step(trainer, module, resize_batch(batch, old, n), flops=False))
+    def peak_of(n: int) -> PeakProfile:
+        sim = simulate_lightning_step(trainer, module, resize_batch(batch, old, n), flops=False)
+        return peak_profile(sim)
 
     return search_batch_size(peak_of, budget_bytes, start=old, cap=cap, progress=progress)
 

@@ -6,6 +6,7 @@ import dataclasses
 import os
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -161,6 +162,26 @@ def peak_bytes(sim: Simulation) -> int:
     if _is_cuda(sim):
         return max(_device_peaks(sim).allocated)
     return max(p.live_bytes for p in replay(sim.events, sim.steps, kernels.kernel_memory).peaks)
+
+
+@dataclass(frozen=True)
+class PeakProfile:
+    """A simulation's peak (as :func:`peak_bytes`) and its memory curve: the exact live bytes at each
+    op's high point after setup, in op order. Two profiles of one model at different batch sizes run
+    the same ops, so each point of the curve is (nearly) affine in the batch size: the batch-size
+    search predicts the peak at any size as the highest of those lines, where the peak moves from
+    the optimizer step to the backward pass as the batch grows."""
+
+    peak: int
+    curve: tuple[int, ...]
+
+
+def peak_profile(sim: Simulation) -> PeakProfile:
+    """:func:`peak_bytes` and the memory curve of ``sim`` (see :class:`PeakProfile`)."""
+    result = replay(sim.events, sim.steps, kernels.kernel_memory)
+    curve = tuple(s.live_bytes for s in result.samples if s.event.phase is not Phase.SETUP)
+    peak = max(_device_peaks(sim).allocated) if _is_cuda(sim) else max(p.live_bytes for p in result.peaks)
+    return PeakProfile(peak, curve)
 
 
 def estimate_from(model: nn.Module, sim: Simulation, precision: str) -> StepEstimate:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import doctest
 import json
 import os
 import shutil
@@ -312,12 +311,6 @@ def test_a_forward_that_reads_values_falls_back_to_a_real_probe() -> None:
 
     model = ReadsValues(4, 3)
     assert models.output_shape(model, torch.randn(6, 4)) == (6, 3)
-
-
-@pytest.mark.parametrize("module", [cli, models])
-def test_docstring_examples(module: Any) -> None:
-    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0
 
 
 # ------------------------------------------------------------------------------------------- profile

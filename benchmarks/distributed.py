@@ -1,0 +1,97 @@
+"""Per-rank estimates under DDP and FSDP2 (issue 7): accuracy against real runs, and a 7B answer's speed.
+
+1. TinyGPT (4 layers, d_model 256, batch 8 x 128, AdamW) as a real two-process CPU job (gloo backend),
+   each rank measured with the profiler's allocator events (``tests/dist_worker.py``), against the
+   estimate of that rank (PyTorch's DDP / fully_shard on a fake process group). "settled" runs pause
+   2 ms after each collective's wait so that gloo's worker thread has dropped its references first and
+   the collective's tensors die on the main thread, where the profiler records the free. Unsettled
+   runs show the instrument's error when the last reference dies on gloo's thread instead: the free
+   goes unrecorded and the running sum stays high (a measurement artifact, not memory the rank holds).
+2. A 7B decoder (32 layers, d_model 4096, sequence 2048) built on the meta device: FSDP2 on 8 GPUs
+   (bf16 parameters, fp32 reduction, AdamW), rank 0, as a CUDA what-if on this CPU-only machine.
+
+Run: ``python benchmarks/distributed.py`` (about a minute on 2 cores).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from lightning_memest import DDP, FSDP, estimate_step  # noqa: E402
+from tests import dist_worker  # noqa: E402
+from tests.models import TinyGPT, lm_loss  # noqa: E402
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def accuracy(unsettled_repeats: int = 3) -> None:
+    print("| strategy | rank | step | estimate | measured (settled) | error | unsettled runs (frees on gloo's thread unrecorded) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, make in (("DDP", DDP), ("FSDP", FSDP)):
+        settled = dist_worker.run_ranks(make(2), _port())
+        loose = [dist_worker.run_ranks(make(2), _port(), settle=False) for _ in range(unsettled_repeats)]
+        for rank in (0, 1):
+            est = estimate_step(
+                dist_worker.build(),
+                dist_worker.batch(),
+                optimizer=dist_worker.optimizer,
+                strategy=make(2, rank=rank),
+            )
+            for step, label in enumerate(("first", "steady")):
+                e, m = est.peaks[step].bytes, settled[rank][step]
+                others = ", ".join(f"{100 * (run[rank][step] - e) / e:+.1f} %" for run in loose)
+                print(
+                    f"| {name} | {rank} | {label} | {mib(e)} | {mib(m)} | {100 * (e - m) / m:+.3f} % "
+                    f"| {others} |"
+                )
+
+
+def seven_b() -> None:
+    with torch.device("meta"):
+        model = TinyGPT(n_layers=32, d_model=4096, n_heads=32, vocab=32000, seq_len=2048)
+    tokens = torch.randint(0, 32000, (1, 2048), device="meta")
+    strategy = FSDP(8, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    start = time.perf_counter()
+    est = estimate_step(
+        model,
+        (tokens, tokens),
+        loss_fn=lm_loss,
+        optimizer=torch.optim.AdamW,
+        device="cuda",
+        strategy=strategy,
+    )
+    seconds = time.perf_counter() - start
+    params = sum(p.numel() for p in model.parameters())
+    b = est.steady_state.breakdown
+    reserved = est.reserved_bytes[-1] if est.reserved_bytes is not None else 0
+    print(
+        f"\n7B ({params / 1e9:.2f} B parameters) FSDP2 on 8 GPUs, bf16 params / fp32 reduce, AdamW,"
+        f" batch 1 x 2048, rank 0{' (CUDA what-if: approximate)' if est.approximate else ''}:"
+    )
+    print(f"  answered in {seconds:.1f} s")
+    print(
+        f"  per-rank peak: first step {est.first_step.bytes / 2**30:.2f} GiB, steady state "
+        f"{est.steady_state.bytes / 2**30:.2f} GiB allocated, {reserved / 2**30:.2f} GiB reserved"
+    )
+    print("  at the steady-state peak: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in b.items() if v))
+
+
+if __name__ == "__main__":
+    accuracy()
+    seven_b()

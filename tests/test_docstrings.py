@@ -1,0 +1,22 @@
+"""Every docstring example of the package runs and shows what it says."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import lightning_memest
+
+MODULES = sorted(
+    m.name for m in pkgutil.walk_packages(lightning_memest.__path__, prefix="lightning_memest.")
+)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name: str) -> None:
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
