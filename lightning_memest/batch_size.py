@@ -69,6 +69,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.step import LossFn, OptimizerFactory, sum_loss
 from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError
@@ -435,13 +436,14 @@ def max_batch_size(
     steps: int = 2,
     progress: Progress | None = None,
     strategy: Strategy | None = None,
+    gpu: CudaDevice | None = None,
 ) -> BatchSizeResult:
     """The largest batch size whose training steps' estimated peak is within ``budget_bytes``.
 
     ``make_batch(n)`` builds the batch of size ``n`` -- on the meta device, so that no size costs real
     memory (:func:`resize_batch` makes one from an example batch). The other arguments are those of
     :func:`~lightning_memest.estimate.estimate_step` (with a ``strategy``, the batch is one rank's and
-    so is the budget); ``start`` is the second size probed (after 1) and
+    so is the budget; ``gpu`` for CUDA); ``start`` is the second size probed (after 1) and
     ``cap`` the largest size considered. The search is :func:`search_batch_size` over
     ``estimate_step(...).peak_bytes``; an :class:`~lightning_memest.errors.EstimationError` of a probe
     propagates, with the batch size named.
@@ -467,7 +469,7 @@ def max_batch_size(
             flops=False,
             strategy=strategy,
         )
-        return peak_profile(sim)
+        return peak_profile(sim, gpu)
 
     return search_batch_size(peak_of, budget_bytes, start=start, cap=cap, progress=progress)
 

@@ -35,12 +35,16 @@ Example:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn, TextIO
 
+import torch
+
+from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.batch_size import DEFAULT_CAP, case_batch_maker, max_batch_size, parse_size
 from lightning_memest.engine.distributed import DDP, FSDP, STRATEGIES, Strategy
 from lightning_memest.engine.step import PRECISIONS
@@ -139,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_case_flags(p)
         if name == "estimate":
             _add_strategy_flags(p)
+            _add_gpu_flags(p, memory=True)
     p = sub.add_parser(
         "compare",
         help="estimate and measure each model, and show the error",
@@ -175,6 +180,42 @@ def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="DDP's gradient_as_bucket_view (gradients live in the buckets: no second copy)",
     )
+
+
+def _add_gpu_flags(p: argparse.ArgumentParser, memory: bool) -> None:
+    g = p.add_argument_group("the GPU (with --device cuda)")
+    g.add_argument(
+        "--cuda-capability",
+        metavar="MAJOR.MINOR",
+        default=None,
+        help="the GPU's compute capability, for a what-if without one (9.0: H100/H200, 8.0: A100); it "
+        "picks cuBLAS's workspace size (default: this machine's GPU, else PyTorch's pre-Hopper default)",
+    )
+    if memory:
+        g.add_argument(
+            "--gpu-memory",
+            metavar="SIZE",
+            default=None,
+            help="say whether the step fits a GPU with this much memory (reserved peak + CUDA context)",
+        )
+
+
+def _gpu(args: argparse.Namespace) -> CudaDevice | None:
+    text = getattr(args, "cuda_capability", None)
+    if args.device != "cuda":
+        if text is not None or getattr(args, "gpu_memory", None) is not None:
+            raise SpecError("--cuda-capability and --gpu-memory go with --device cuda")
+        return None
+    local = torch.cuda.is_available()
+    if text is None:
+        return None if local else CudaDevice()
+    try:
+        major, minor = (int(x) for x in text.split("."))
+    except ValueError:
+        raise SpecError(f"--cuda-capability must look like 9.0; got {text!r}") from None
+    if local:
+        return dataclasses.replace(CudaDevice.local(torch.device("cuda")), capability=(major, minor))
+    return CudaDevice(capability=(major, minor))
 
 
 def _strategy(args: argparse.Namespace) -> Strategy | None:
@@ -289,9 +330,12 @@ def _settings(args: argparse.Namespace, inputs: InputSpec) -> str:
 def _estimate(args: argparse.Namespace, out: TextIO) -> None:
     inputs = _input_spec(args)
     case = _build(args.model, args, inputs, _model_kwargs(args.model_kwargs))
-    est = estimate_case(case, device=args.device, strategy=_strategy(args))
+    est = estimate_case(case, device=args.device, strategy=_strategy(args), gpu=_gpu(args))
+    fits = _fits_gpu(est, args.gpu_memory)
     if args.json:
-        print(json.dumps(est.to_json()), file=out)
+        data = est.to_json()
+        data["gpu_memory"] = fits
+        print(json.dumps(data), file=out)
         return
     print(f"estimate of {args.model} ({_settings(args, inputs)})", file=out)
     if est.approximate:
@@ -301,6 +345,26 @@ def _estimate(args: argparse.Namespace, out: TextIO) -> None:
             file=out,
         )
     _print_estimate(est, out)
+    if fits is not None:
+        verdict = "fits" if fits["fits"] else "does NOT fit"
+        print(
+            f"\n  on a GPU with {format_bytes(fits['budget_bytes'])}: {verdict} (reserved peak + CUDA "
+            f"context = {format_bytes(fits['device_bytes'])})",
+            file=out,
+        )
+
+
+def _fits_gpu(est: StepEstimate, size: str | None) -> dict[str, Any] | None:
+    """``--gpu-memory``: the verdict, from the reserved peak plus the CUDA context."""
+    if size is None:
+        return None
+    try:
+        budget = parse_size(size)
+    except ValueError as e:
+        raise SpecError(f"--gpu-memory: {e}") from None
+    device = est.device_bytes
+    assert device is not None  # --gpu-memory needs --device cuda (checked in _gpu)
+    return {"budget_bytes": budget, "device_bytes": device, "fits": device <= budget}
 
 
 def _print_estimate(est: StepEstimate, out: TextIO) -> None:
@@ -310,8 +374,10 @@ def _print_estimate(est: StepEstimate, out: TextIO) -> None:
             ("reserved, first step", est.reserved_bytes[0]),
             ("reserved, steady state", est.reserved_bytes[-1]),
         ]
+    if est.cuda_context_bytes is not None and est.device_bytes is not None:
+        rows += [("CUDA context", est.cuda_context_bytes), ("device (reserved+context)", est.device_bytes)]
     for label, n in rows:
-        print(f"  {label:<24}{format_bytes(n):>12}  ({n:,} B)", file=out)
+        print(f"  {label:<26}{format_bytes(n):>12}  ({n:,} B)", file=out)
     peak = est.steady_state
     where = f"{peak.op} in {peak.module or '(root)'}, {peak.phase.value}"
     print(f"\n  at the steady-state peak ({where}):", file=out)
@@ -490,6 +556,7 @@ def _max_batch_size(args: argparse.Namespace, out: TextIO) -> None:
         cap=args.cap,
         progress=progress,
         strategy=strategy,
+        gpu=_gpu(args),
     )
     if result.max_batch_size == 0 or result.capped:
         print(f"{PROG}: {result.message}", file=sys.stderr)

@@ -22,6 +22,7 @@ from lightning_memest.accounting.allocator import (
     replay_caching_allocator,
 )
 from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
+from lightning_memest.accounting.cuda_device import CudaDevice, library_workspace
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.events import Alloc, DataDependent, Event, OpEvent, Role, Tag
 from lightning_memest.engine.simulate import Simulation, simulate
@@ -54,6 +55,7 @@ def estimate_step(
     device: str | torch.device | None = None,
     steps: int = 2,
     strategy: Strategy | None = None,
+    gpu: CudaDevice | None = None,
 ) -> StepEstimate:
     """Estimate the peak memory of training steps of ``model`` on ``batch``, without running them.
 
@@ -78,6 +80,9 @@ def estimate_step(
             ``lightning_memest``: the step runs as rank 0 of it, with PyTorch's own DDP / FSDP2 code on
             a fake process group, and every figure is one rank's. ``loss_fn`` then gets the DDP wrapper
             (under FSDP the model itself, sharded).
+        gpu: for ``device="cuda"``, the GPU (``CudaDevice``: its compute capability picks cuBLAS's
+            workspace size, its context is reported apart); default: this machine's GPU, else an
+            unknown one (PyTorch's pre-Hopper defaults, an assumed context).
 
     Example:
         >>> import torch
@@ -101,7 +106,7 @@ def estimate_step(
         steps=steps,
         strategy=strategy,
     )
-    return estimate_from(model, sim, checked)
+    return estimate_from(model, sim, checked, gpu)
 
 
 def simulate_step(
@@ -156,11 +161,11 @@ def simulate_lightning_step(
     )
 
 
-def peak_bytes(sim: Simulation) -> int:
+def peak_bytes(sim: Simulation, gpu: CudaDevice | None = None) -> int:
     """The largest peak over a simulation's steps, exactly as ``StepEstimate.peak_bytes`` would say,
     without building the report."""
     if _is_cuda(sim):
-        return max(_device_peaks(sim).allocated)
+        return max(_device_peaks(sim, _gpu(sim, gpu)).allocated)
     return max(p.live_bytes for p in replay(sim.events, sim.steps, kernels.kernel_memory).peaks)
 
 
@@ -176,24 +181,32 @@ class PeakProfile:
     curve: tuple[int, ...]
 
 
-def peak_profile(sim: Simulation) -> PeakProfile:
+def peak_profile(sim: Simulation, gpu: CudaDevice | None = None) -> PeakProfile:
     """:func:`peak_bytes` and the memory curve of ``sim`` (see :class:`PeakProfile`)."""
     result = replay(sim.events, sim.steps, kernels.kernel_memory)
     curve = tuple(s.live_bytes for s in result.samples if s.event.phase is not Phase.SETUP)
-    peak = max(_device_peaks(sim).allocated) if _is_cuda(sim) else max(p.live_bytes for p in result.peaks)
+    if _is_cuda(sim):
+        peak = max(_device_peaks(sim, _gpu(sim, gpu)).allocated)
+    else:
+        peak = max(p.live_bytes for p in result.peaks)
     return PeakProfile(peak, curve)
 
 
-def estimate_from(model: nn.Module, sim: Simulation, precision: str) -> StepEstimate:
-    """Account for a simulation's events and build the report."""
+def estimate_from(
+    model: nn.Module, sim: Simulation, precision: str, gpu: CudaDevice | None = None
+) -> StepEstimate:
+    """Account for a simulation's events and build the report (``gpu`` as in :func:`estimate_step`)."""
     steps = sim.steps
     result = replay(sim.events, steps, kernels.kernel_memory)
     flop_count = flops.count_flops(sim.events)
     peaks = _peaks(result)
     reserved: tuple[int, ...] | None = None
+    context: int | None = None
     if _is_cuda(sim):
         # What torch.cuda.max_memory_allocated/reserved count; the breakdown stays in exact bytes.
-        device_peaks = _device_peaks(sim)
+        device = _gpu(sim, gpu)
+        device_peaks = _device_peaks(sim, device)
+        context = device.context_bytes
         peaks = tuple(
             dataclasses.replace(p, bytes=b) for p, b in zip(peaks, device_peaks.allocated, strict=False)
         )
@@ -214,6 +227,7 @@ def estimate_from(model: nn.Module, sim: Simulation, precision: str) -> StepEsti
         flops=flop_count,
         estimate_seconds=sim.seconds,
         approximate=sim.what_if is not None,
+        cuda_context_bytes=context,
     )
 
 
@@ -221,15 +235,21 @@ def _is_cuda(sim: Simulation) -> bool:
     return sim.device.type == "cuda" or sim.what_if == "cuda"
 
 
-def _device_peaks(sim: Simulation) -> DevicePeaks:
-    """Whole blocks of the caching allocator and its segments, with cuBLAS's workspace. A what-if ran
-    CPU kernels: their (oneDNN) kernel models do not apply to CUDA."""
+def _gpu(sim: Simulation, gpu: CudaDevice | None) -> CudaDevice:
+    if gpu is not None:
+        return gpu
+    return CudaDevice.local(sim.device) if sim.device.type == "cuda" else CudaDevice()
+
+
+def _device_peaks(sim: Simulation, gpu: CudaDevice) -> DevicePeaks:
+    """Whole blocks of the caching allocator and its segments, with the libraries' workspaces. A
+    what-if ran CPU kernels: their (oneDNN) kernel models do not apply to CUDA."""
     return replay_caching_allocator(
         sim.events,
         sim.steps,
         _cuda_allocator_model(),
         None if sim.what_if else kernels.kernel_memory,
-        kernels.cuda_library_workspace,
+        lambda op: library_workspace(op, gpu.capability),
     )
 
 

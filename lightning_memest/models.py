@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.step import (
     LossFn,
@@ -418,7 +419,12 @@ def _convert_batch(batch: Any, device: torch.device, dtype: torch.dtype | None) 
 
 
 def estimate_case(
-    case: Case, *, device: str = "cpu", steps: int = 2, strategy: Strategy | None = None
+    case: Case,
+    *,
+    device: str = "cpu",
+    steps: int = 2,
+    strategy: Strategy | None = None,
+    gpu: CudaDevice | None = None,
 ) -> StepEstimate:
     """Estimate the case with :func:`~lightning_memest.estimate.estimate_step` (the model is untouched;
     with a ``strategy``, as one rank of it).
@@ -437,6 +443,7 @@ def estimate_case(
         device=device,
         steps=steps,
         strategy=strategy,
+        gpu=gpu,
     )
 
 

@@ -143,6 +143,17 @@ class StepEstimate:
     """True for a CUDA what-if on a machine without a GPU: CPU kernels ran, CUDA's allocator,
     cuBLAS workspace and optimizer defaults were modelled; cuDNN, attention-backend and autocast-list
     differences were not."""
+    cuda_context_bytes: int | None = None
+    """On CUDA, the CUDA context outside the caching allocator (measured on a GPU, assumed in a
+    what-if; see ``accounting.cuda_device``); ``None`` on CPU."""
+
+    @property
+    def device_bytes(self) -> int | None:
+        """On CUDA, what the device holds at the peak: the reserved peak plus the context (what
+        ``nvidia-smi`` shows); ``None`` on CPU."""
+        if self.reserved_bytes is None or self.cuda_context_bytes is None:
+            return None
+        return max(self.reserved_bytes) + self.cuda_context_bytes
 
     @property
     def first_step(self) -> Peak:
@@ -166,6 +177,7 @@ class StepEstimate:
                 if self.reserved_bytes is None
                 else {"first_step": self.reserved_bytes[0], "steady_state": self.reserved_bytes[-1]}
             ),
+            "cuda_context_bytes": self.cuda_context_bytes,
             "breakdown_bytes": dict(self.steady_state.breakdown.items()),
             "flops": None
             if self.flops is None

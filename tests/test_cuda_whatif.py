@@ -8,7 +8,13 @@ import torchvision
 from torch import nn
 
 from lightning_memest import estimate_step
-from lightning_memest.accounting.kernels import cublas_workspace_bytes
+from lightning_memest.accounting.cuda_device import (
+    DEFAULT_CONTEXT_BYTES,
+    CudaDevice,
+    cublas_workspace_bytes,
+    library_workspace,
+)
+from lightning_memest.cli import main
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real CUDA simulation")
 
@@ -38,10 +44,64 @@ def test_what_if_uses_cuda_optimizer_defaults_and_cublas_workspace() -> None:
     assert any(p.op.startswith("aten._foreach") for p in cuda.timeline)
     assert not any(p.op.startswith("aten._foreach") for p in cpu.timeline)
     # cuBLAS keeps its workspace from the first matmul on
-    assert cuda.first_step.bytes >= cublas_workspace_bytes()
+    assert cuda.first_step.bytes >= cublas_workspace_bytes(None, None)
     assert cuda.first_step.bytes > cpu.first_step.bytes
     # and the CPU run afterwards is untouched by the what-if's optimizer defaults
     assert not any(
         p.op.startswith("aten._foreach")
         for p in estimate_step(model, batch, optimizer=torch.optim.Adam).timeline
     )
+
+
+def test_cublas_workspace_follows_pytorch_defaults_and_config() -> None:
+    # CublasHandlePool.cpp: ":4096:2:16:8" by default, 32 MiB on compute capability 9.x/10.x/12.x.
+    assert cublas_workspace_bytes(None, None) == 2 * 4096 * 1024 + 8 * 16 * 1024 == 8_519_680
+    assert cublas_workspace_bytes((8, 0), None) == 8_519_680
+    assert cublas_workspace_bytes((8, 9), None) == 8_519_680
+    for major in (9, 10, 12):
+        assert cublas_workspace_bytes((major, 0), None) == 32 * 2**20
+    assert cublas_workspace_bytes((9, 0), ":16:8") == 8 * 16 * 1024
+    assert cublas_workspace_bytes((9, 0), "garbage") == 32 * 2**20  # unparsable: the default
+
+
+def test_cublaslt_shares_the_cublas_workspace_unless_told_not_to(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", raising=False)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert library_workspace("aten.addmm.default", (9, 0)) == [("cublas", 32 * 2**20)]
+    assert library_workspace("aten.mm.default", None) == [("cublas", 8_519_680)]
+    assert library_workspace("aten.convolution.default", None) == []
+    monkeypatch.setenv("TORCH_CUBLASLT_UNIFIED_WORKSPACE", "0")
+    monkeypatch.setenv("CUBLASLT_WORKSPACE_SIZE", "4096")
+    assert library_workspace("aten.addmm.default", (9, 0)) == [("cublas", 32 * 2**20), ("cublaslt", 2**22)]
+    assert library_workspace("aten.mm.default", (9, 0)) == [("cublas", 32 * 2**20)]
+
+
+def test_what_if_for_hopper_holds_the_larger_cublas_workspace() -> None:
+    model, batch = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)), torch.randn(32, 256)
+    older = estimate_step(model, batch, optimizer=torch.optim.Adam, device="cuda")
+    hopper = estimate_step(model, batch, optimizer=torch.optim.Adam, device="cuda", gpu=CudaDevice((9, 0)))
+    for a, b in zip(older.peaks, hopper.peaks, strict=True):
+        assert b.bytes - a.bytes == 32 * 2**20 - 8_519_680  # kept from the first matmul on
+    assert hopper.cuda_context_bytes == older.cuda_context_bytes == DEFAULT_CONTEXT_BYTES
+    assert hopper.reserved_bytes is not None
+    assert hopper.device_bytes == max(hopper.reserved_bytes) + DEFAULT_CONTEXT_BYTES
+    assert estimate_step(model, batch).cuda_context_bytes is None  # CPU: no context
+
+
+def test_cli_answers_whether_a_gpu_is_big_enough(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    args = ["estimate", "tests.models:TinyGPT", "--tokens", "64", "--vocab", "1000", "--device", "cuda"]
+    assert main([*args, "--gpu-memory", "80GiB", "--cuda-capability", "9.0", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["gpu_memory"]["fits"] is True
+    assert data["gpu_memory"]["device_bytes"] == max(data["reserved_bytes"].values()) + DEFAULT_CONTEXT_BYTES
+    assert data["cuda_context_bytes"] == DEFAULT_CONTEXT_BYTES
+    assert main([*args, "--gpu-memory", "600MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "CUDA context" in out
+    assert (
+        main(["estimate", "tests.models:TinyGPT", "--tokens", "64", "--vocab", "1000", "--gpu-memory", "8g"])
+        == 2
+    )
+    assert "--device cuda" in capsys.readouterr().err

@@ -10,9 +10,7 @@ import pytest
 
 import lightning_memest
 
-MODULES = sorted(
-    m.name for m in pkgutil.walk_packages(lightning_memest.__path__, prefix="lightning_memest.")
-)
+MODULES = sorted(m.name for m in pkgutil.walk_packages(lightning_memest.__path__, prefix="lightning_memest."))
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -176,7 +176,8 @@ class DevicePeaks:
     reserved: tuple[int, ...]
 
 
-LibraryWorkspace = Callable[[str], "tuple[str, int] | None"]
+#: ``op name -> [(library, bytes)]``: the workspaces a CUDA op's libraries take at their first use.
+LibraryWorkspace = Callable[[str], "Sequence[tuple[str, int]]"]
 
 
 def replay_caching_allocator(
@@ -192,7 +193,8 @@ def replay_caching_allocator(
     ``allocated`` counts whole blocks and ``reserved`` the segments, unlike the exact ``replay``.
     A kernel's workspace is allocated after its outputs (or before, per the model) and freed before
     the next op. What lives before the first op (parameters, the batch) is allocated first. A library's
-    workspace (``library_workspace(op_name)``: cuBLAS's at the first matmul) is allocated once and kept.
+    workspace (``library_workspace(op_name)``: cuBLAS's at the first matmul, see
+    ``accounting.cuda_device``) is allocated once and kept.
     """
     libraries: set[str] = set()
     handles: dict[int, int] = {}
@@ -228,10 +230,10 @@ def replay_caching_allocator(
             if setup and e.phase is not Phase.SETUP:
                 setup = False
                 allocator.reset_peak_stats()  # as measure does once the model and optimizer are built
-            library = library_workspace(e.op) if library_workspace is not None else None
-            if library is not None and library[0] not in libraries:
-                libraries.add(library[0])
-                allocator.malloc(library[1])
+            for library, nbytes in library_workspace(e.op) if library_workspace is not None else ():
+                if library not in libraries:
+                    libraries.add(library)
+                    allocator.malloc(nbytes)
             while e.step > step and step < steps - 1:
                 allocated.append(allocator.peak_allocated_bytes)
                 reserved.append(allocator.peak_reserved_bytes)

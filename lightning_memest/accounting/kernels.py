@@ -32,7 +32,6 @@ Example:
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -538,44 +537,3 @@ def _mkldnn_rnn_layer_backward(call: OpCall) -> KernelMemory | None:
 def registered_ops() -> Sequence[str]:
     """The names of the ops that have a kernel model."""
     return sorted(str(op) for op in KERNEL_MODELS)
-
-
-# ------------------------------------------------------------------------------------------------ CUDA
-
-#: Packets whose CUDA kernels go through cuBLAS (and so need its workspace).
-_CUBLAS_OPS = frozenset(
-    {
-        "aten.mm",
-        "aten.addmm",
-        "aten.bmm",
-        "aten.baddbmm",
-        "aten.addbmm",
-        "aten.mv",
-        "aten.addmv",
-        "aten._addmm_activation",
-    }
-)
-
-
-def cublas_workspace_bytes(config: str | None = None) -> int:
-    """cuBLAS's workspace per (handle, stream), from ``CUBLAS_WORKSPACE_CONFIG`` (``:SIZE_KiB:COUNT``...).
-
-    PyTorch's default ``":4096:2:16:8"`` is 2 x 4096 KiB + 8 x 16 KiB = 8,519,680 B (NOTES.md; on sm90
-    PyTorch defaults to 32 MiB, which needs the device to know).
-
-    >>> cublas_workspace_bytes()
-    8519680
-    >>> cublas_workspace_bytes(":4096:8")
-    33554432
-    """
-    text = config if config is not None else os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
-    numbers = [int(n) for n in text.split(":") if n]
-    return sum(size * 1024 * count for size, count in zip(numbers[::2], numbers[1::2], strict=False))
-
-
-def cuda_library_workspace(op: str) -> tuple[str, int] | None:
-    """``(library, bytes)`` a CUDA op's library takes from the caching allocator once and keeps."""
-    packet = op.rsplit(".", 1)[0]
-    if packet in _CUBLAS_OPS:
-        return "cublas", cublas_workspace_bytes()
-    return None
