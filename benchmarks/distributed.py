@@ -41,7 +41,10 @@ def mib(n: float) -> str:
 
 
 def accuracy(unsettled_repeats: int = 3) -> None:
-    print("| strategy | rank | step | estimate | measured (settled) | error | unsettled runs (frees on gloo's thread unrecorded) |")
+    print(
+        "| strategy | rank | step | estimate | measured (settled) | error "
+        "| unsettled runs (frees on gloo's thread unrecorded) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for name, make in (("DDP", DDP), ("FSDP", FSDP)):
         settled = dist_worker.run_ranks(make(2), _port())

@@ -53,8 +53,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
+import multiprocessing
+import os
 import re
+import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -276,6 +281,7 @@ class _Search:
     probes: list[tuple[int, int]] = field(default_factory=list)
     known: dict[int, int] = field(default_factory=dict)
     curves: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    worker: _Worker | None = None
 
     def peak(self, n: int) -> int:
         if n not in self.known:
@@ -283,18 +289,43 @@ class _Search:
                 answer = self.peak_of(n)
             except EstimationError as e:
                 raise _at_batch_size(e, n) from e
-            if isinstance(answer, PeakProfile):
-                value = answer.peak
-                # Shifted so that its top is the peak (a CUDA peak counts whole allocator blocks).
-                shift = value - max(answer.curve, default=value)
-                self.curves[n] = tuple(c + shift for c in answer.curve)
-            else:
-                value = answer
-            self.known[n] = value
-            self.probes.append((n, value))
-            if self.progress is not None:
-                self.progress(n, value)
+            self._record(n, answer)
         return self.known[n]
+
+    def _record(self, n: int, answer: int | PeakProfile) -> None:
+        if isinstance(answer, PeakProfile):
+            value = answer.peak
+            # Shifted so that its top is the peak (a CUDA peak counts whole allocator blocks).
+            shift = value - max(answer.curve, default=value)
+            self.curves[n] = tuple(c + shift for c in answer.curve)
+        else:
+            value = answer
+        self.known[n] = value
+        self.probes.append((n, value))
+        if self.progress is not None:
+            self.progress(n, value)
+
+    def prefetch(self, sizes: list[int]) -> None:
+        """Probe two sizes at once, one here and one in the worker process, when the search has one (a
+        probe the worker could not answer is left to run here, so that its error surfaces with its
+        batch size; the worker is then retired)."""
+        todo = [n for n in dict.fromkeys(sizes) if n not in self.known]
+        worker = self.worker
+        if worker is None or len(todo) < 2:
+            return
+        worker.submit(todo[1])
+        try:
+            here = self.peak_of(todo[0])
+        except EstimationError:
+            worker.result()
+            raise
+        self._record(todo[0], here)
+        there = worker.result()
+        if there is None:
+            self.worker = None
+            worker.close()
+        else:
+            self._record(todo[1], there)
 
     def fits(self, n: int) -> bool:
         return self.peak(n) <= self.budget
@@ -335,6 +366,7 @@ def search_batch_size(
     start: int = 8,
     cap: int = DEFAULT_CAP,
     progress: Progress | None = None,
+    workers: int = 1,
 ) -> BatchSizeResult:
     """The largest ``n <= cap`` with ``peak_of(n) <= budget_bytes < peak_of(n + 1)`` (0: none fits).
 
@@ -345,6 +377,10 @@ def search_batch_size(
     guess was wrong, the next guesses interpolate inside the bracket, and bisect when that does not
     halve it. The result is exact for any ``peak_of`` that is non-decreasing; for one that is not, the
     answer is still a size that fits next to one that does not.
+
+    With ``workers`` > 1 (and where :func:`can_fork`), pairs of probes run at once, one in a worker
+    process forked at the start: 1 and ``start``, and a guess from the curves with its neighbour (one
+    of them may go unused: it is still listed among the probes).
 
     >>> r = search_batch_size(lambda n: 1000 + 37 * n, 10_000)
     >>> r.max_batch_size, [n for n, _ in r.probes]  # an affine peak: two probes to fit, two to verify
@@ -357,16 +393,28 @@ def search_batch_size(
     if cap < 1:
         raise ValueError(f"the cap must be at least 1; got {cap}")
     began = time.perf_counter()
-    s = _Search(peak_of, budget_bytes, progress)
+    # Forked before this process runs any probe: autograd refuses to run in a child forked after
+    # the parent's first backward.
+    s = _Search(
+        peak_of, budget_bytes, progress, worker=_Worker(peak_of) if workers > 1 and can_fork() else None
+    )
+    try:
+        return _search(s, budget_bytes, start, cap, began)
+    finally:
+        if s.worker is not None:
+            s.worker.close()
 
+
+def _search(s: _Search, budget_bytes: int, start: int, cap: int, began: float) -> BatchSizeResult:
     def result(n: int, capped: bool = False) -> BatchSizeResult:
         peak = s.known[n] if n else None
         return BatchSizeResult(n, peak, budget_bytes, tuple(s.probes), time.perf_counter() - began, capped)
 
+    start = min(max(start, 2), cap)
+    s.prefetch([1, start])
     if not s.fits(1):
         return result(0)
     lo, hi = 1, None  # lo fits, hi (when known) does not; the answer is in [lo, hi - 1]
-    start = min(max(start, 2), cap)
     if start > 1:
         if s.fits(start):
             lo = start
@@ -381,11 +429,12 @@ def search_batch_size(
         widths.append(upper - lo)
         bracket = (lo, hi)
         guess: float | None = None
+        curved: float | None = None
         if hi is None:
             # Extrapolate from the two largest sizes that fit (1 and ``start`` at first): the lines of
             # the memory curves when the probes have them, else the line of the peaks.
             a = max(n for n in s.known if n < lo)
-            guess = s.curve_guess(a, lo)
+            guess = curved = s.curve_guess(a, lo)
             if guess is None and s.known[lo] > s.known[a]:
                 guess = lo + (budget_bytes - s.known[lo]) * (lo - a) / (s.known[lo] - s.known[a])
         elif (curved := s.curve_guess(lo, hi)) is not None and len(widths) < 3:
@@ -402,6 +451,8 @@ def search_batch_size(
         else:
             n = math.floor(guess)
         n = min(max(n, lo + 1), upper)
+        if curved is not None and n + 1 <= upper:
+            s.prefetch([n, n + 1])  # the curves are usually right: the boundary is n, n + 1 the proof
         if s.fits(n):
             lo = n
         else:
@@ -437,14 +488,16 @@ def max_batch_size(
     progress: Progress | None = None,
     strategy: Strategy | None = None,
     gpu: CudaDevice | None = None,
+    workers: int | None = None,
 ) -> BatchSizeResult:
     """The largest batch size whose training steps' estimated peak is within ``budget_bytes``.
 
     ``make_batch(n)`` builds the batch of size ``n`` -- on the meta device, so that no size costs real
     memory (:func:`resize_batch` makes one from an example batch). The other arguments are those of
     :func:`~lightning_memest.estimate.estimate_step` (with a ``strategy``, the batch is one rank's and
-    so is the budget; ``gpu`` for CUDA); ``start`` is the second size probed (after 1) and
-    ``cap`` the largest size considered. The search is :func:`search_batch_size` over
+    so is the budget; ``gpu`` for CUDA); ``workers`` is how many probes may run at once (default: 2
+    where the machine has two cores and :func:`can_fork` allows it); ``start`` is the second size
+    probed (after 1) and ``cap`` the largest size considered. The search is :func:`search_batch_size` over
     ``estimate_step(...).peak_bytes``; an :class:`~lightning_memest.errors.EstimationError` of a probe
     propagates, with the batch size named.
 
@@ -471,7 +524,68 @@ def max_batch_size(
         )
         return peak_profile(sim, gpu)
 
-    return search_batch_size(peak_of, budget_bytes, start=start, cap=cap, progress=progress)
+    if workers is None:
+        workers = min(2, os.cpu_count() or 1)
+    return search_batch_size(peak_of, budget_bytes, start=start, cap=cap, progress=progress, workers=workers)
+
+
+def can_fork() -> bool:
+    """Whether probes may run in forked processes here: Linux, no CUDA context, no other Python
+    thread and no process group in this process (forking any of those is unsafe)."""
+    return (
+        sys.platform.startswith("linux")
+        and "fork" in multiprocessing.get_all_start_methods()
+        and not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        and threading.active_count() == 1
+        and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    )
+
+
+class _Worker:
+    """A forked process that answers probes for the search (``None`` for one it could not answer)."""
+
+    def __init__(self, peak_of: Callable[[int], int | PeakProfile]) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self._conn, child_end = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(peak_of, child_end), daemon=True)
+        self._process.start()
+        child_end.close()
+        self.ready = self.result() == 0  # the child's first answer: whether it can run backward
+
+    def submit(self, n: int) -> None:
+        self._conn.send(n)
+
+    def result(self) -> int | PeakProfile | None:
+        try:
+            answer: int | PeakProfile | None = self._conn.recv()
+        except (EOFError, OSError):
+            return None
+        return answer
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send(None)
+        self._conn.close()
+        self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+def _serve(peak_of: Callable[[int], int | PeakProfile], conn: Any) -> None:
+    # A child forked after the parent ran backward on another device than the CPU (fake tensors' is
+    # meta) cannot run backward (autograd's device threads): say so at once; the search runs alone.
+    try:
+        torch.ones(1, device="meta", requires_grad=True).sum().backward()  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        conn.send(None)
+        return
+    conn.send(0)
+    while (n := conn.recv()) is not None:
+        try:
+            answer = peak_of(n)
+        except BaseException:
+            answer = None
+        conn.send(answer)
 
 
 def lightning_max_batch_size(

@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_memest.accounting import flops, kernels
+from lightning_memest.accounting import attention, flops, kernels
 from lightning_memest.accounting.allocator import (
     ROLE_ORDER,
     DevicePeaks,
@@ -23,8 +23,9 @@ from lightning_memest.accounting.allocator import (
 )
 from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
 from lightning_memest.accounting.cuda_device import CudaDevice, library_workspace
+from lightning_memest.accounting.kernels import KernelMemory
 from lightning_memest.engine.distributed import Strategy
-from lightning_memest.engine.events import Alloc, DataDependent, Event, OpEvent, Role, Tag
+from lightning_memest.engine.events import Alloc, DataDependent, Event, OpCall, OpEvent, Role, Tag
 from lightning_memest.engine.simulate import Simulation, simulate
 from lightning_memest.engine.step import (
     LossFn,
@@ -244,11 +245,17 @@ def _gpu(sim: Simulation, gpu: CudaDevice | None) -> CudaDevice:
 def _device_peaks(sim: Simulation, gpu: CudaDevice) -> DevicePeaks:
     """Whole blocks of the caching allocator and its segments, with the libraries' workspaces. A
     what-if ran CPU kernels: their (oneDNN) kernel models do not apply to CUDA."""
+    what_if = sim.what_if is not None
+
+    def cuda_kernel(call: OpCall) -> KernelMemory | None:
+        # A what-if ran CPU kernels: the oneDNN models do not apply; SDPA's CUDA backend does.
+        return attention.cuda_what_if_memory(call, gpu.capability) if what_if else kernels.kernel_memory(call)
+
     return replay_caching_allocator(
         sim.events,
         sim.steps,
         _cuda_allocator_model(),
-        None if sim.what_if else kernels.kernel_memory,
+        cuda_kernel,
         lambda op: library_workspace(op, gpu.capability),
     )
 
@@ -260,8 +267,9 @@ def _cuda_allocator_model() -> CudaCachingAllocator:
 
 
 def _for_memory(op: torch._ops.OpOverload) -> bool:
-    """Ops whose full call the memory accounting needs: those with a kernel memory model."""
-    return kernels.kernel_model_for(op) is not None
+    """Ops whose full call the memory accounting needs: those with a kernel memory model (and CPU
+    attention, whose CUDA backend a what-if models)."""
+    return kernels.kernel_model_for(op) is not None or op is attention.CPU_ATTENTION
 
 
 def _captured(op: torch._ops.OpOverload) -> bool:

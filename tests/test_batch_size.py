@@ -321,3 +321,50 @@ def test_fit_batch_size_raises_before_any_step() -> None:
         trainer.fit(WithLoader())
     assert info.value.batch_size == 4 and info.value.max_batch_size == 0
     assert seen.sizes == []
+
+
+_PARALLEL = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from lightning_memest.batch_size import max_batch_size
+from models import TinyGPT
+model = TinyGPT(n_layers=2)
+r = max_batch_size(
+    model, lambda n: torch.empty(n, 128, dtype=torch.long, device="meta"), 300 * 2**20,
+    optimizer=torch.optim.AdamW, workers=int(sys.argv[2]),
+)
+print(json.dumps({"max": r.max_batch_size, "peak": r.peak_bytes_at_max, "probes": [n for n, _ in r.probes]}))
+"""
+
+
+def test_probes_in_a_worker_process_give_the_same_answer() -> None:
+    # In a fresh process (as the CLI runs) pairs of probes run at once, one in a forked worker.
+    import subprocess
+    import sys
+
+    def run(workers: int) -> dict[str, Any]:
+        out = subprocess.run(
+            [sys.executable, "-c", _PARALLEL, str(TESTS), str(workers)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+        return result
+
+    alone, paired = run(1), run(2)
+    assert (paired["max"], paired["peak"]) == (alone["max"], alone["peak"])
+    assert paired["probes"][:2] == [1, 8] and set(alone["probes"]) <= set(paired["probes"])
+
+
+def test_a_worker_forked_after_a_simulation_steps_aside() -> None:
+    # Autograd cannot run in a child forked after this process ran backward on fake tensors: the
+    # worker says so at once and the search runs alone, with the same answer.
+    from lightning_memest.batch_size import _Worker
+
+    estimate_step(nn.Linear(8, 8), torch.randn(2, 8), optimizer=torch.optim.SGD)
+    worker = _Worker(lambda n: n)
+    assert not worker.ready
+    worker.close()
+    r = search_batch_size(lambda n: 1000 + 37 * n, 10_000, start=16, workers=2)
+    assert (r.max_batch_size, len(r.probes)) == (243, 4)

@@ -105,3 +105,19 @@ def test_cli_answers_whether_a_gpu_is_big_enough(capsys: pytest.CaptureFixture[s
         == 2
     )
     assert "--device cuda" in capsys.readouterr().err
+
+
+def test_what_if_accounts_for_the_attention_backend_cuda_would_pick() -> None:
+    # TinyGPT's causal SDPA (4 heads, head dim 64, 128 tokens) under bf16: an A100 runs flash (the
+    # CPU kernel's logsumexp plus 24 B of RNG state), a T4 (sm75, no bf16 in the fused kernels) the math
+    # path, which saves fp32 copies of q, k, v and the softmax (accounting/attention.py).
+    from tests.models import TinyGPT
+
+    model, tokens = TinyGPT(n_layers=2), torch.randint(0, 1000, (4, 128))
+    flash = estimate_step(model, tokens, precision="bf16-true", device="cuda", gpu=CudaDevice((8, 0)))
+    math_path = estimate_step(model, tokens, precision="bf16-true", device="cuda", gpu=CudaDevice((7, 5)))
+    b, h, length, d = 4, 4, 128, 64
+    extra_per_layer = (
+        2 * b * h * length * d + b * h * length * length + b * h * length * d
+    ) * 4 - b * h * length * 4
+    assert math_path.first_step.bytes - flash.first_step.bytes >= 2 * extra_per_layer * 0.9

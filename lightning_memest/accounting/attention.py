@@ -1,0 +1,334 @@
+"""Which kernel ``F.scaled_dot_product_attention`` runs on CUDA, and what it keeps for backward.
+
+A CPU run never goes through the CUDA dispatcher of SDPA, so a "CUDA what-if" has to predict it. This
+module is a pure model of that choice in PyTorch 2.14 (the release this project measures against) and of
+the bytes each backend's forward leaves saved for backward.
+
+Backend choice (:func:`cuda_backend`) follows ``select_sdp_backend`` in
+``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``, with the shared filters of
+``aten/src/ATen/native/transformers/sdp_utils_cpp.h``:
+
+* Priority. ``Context.h`` (installed header ``torch/include/ATen/Context.h``) sets the default
+  ``sdp_priority_order = {flash_attention, efficient_attention, math, cudnn_attention, overrideable}``
+  and every ``enabled_*SDP`` flag, cuDNN's included, to ``true`` (``enabled_fa3SDP`` is ``false``). So
+  cuDNN is enabled but sits behind math, which always succeeds: it is never picked, except where
+  ``priority_order`` replaces the order, at its first call, with ``{cudnn, flash, efficient, math}``. It
+  does so when ``check_prefer_cudnn_attention()`` holds: ``TORCH_CUDNN_SDPA_DEPRIORITIZED`` unset, the
+  runtime cuDNN newer than 9.15.0 (``cudnn_version > 91500``, the seq_len fix of pytorch#169849), and
+  compute capability 9.0, 10.0 or 10.3 (``(major == 9 || major == 10) && (!minor || minor == 3)``).
+  The torch 2.14.1+cu130 wheel ships cuDNN 9.24.0, so H100/H200 and B200/B300 pick cuDNN first.
+* ``can_use_flash_attention``: no ``attn_mask`` (``check_for_attn_mask``); q, k, v with the same head
+  dim, at most 256 (``check_head_dim_size_flash``; ``attention.cpp`` pads it to a multiple of 8);
+  sm80 to sm121 (``check_flash_attention_hardware_support``); with grad on sm86-89 and sm120-121 no head
+  dim in (192, 224], nor above 224 with dropout
+  (``check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120``); ``is_causal`` only with
+  ``q_len == kv_len`` (``check_flash_causal_non_square_seqlens``); fp16 or bf16
+  (``check_dtypes_flash_attention``, FA3's fp8 is off by default).
+* ``can_use_mem_efficient_attention``: sm50 to sm121; head dims divisible by ``minimum_gemm_alignment``
+  (8 for fp16/bf16 from sm70; 4 for fp32 from sm80; 1 for fp32 below sm80), q and k head dims equal;
+  fp16, fp32 and (from sm80) bf16. Any ``attn_mask`` and any head dim size are fine.
+* ``can_use_cudnn_attention``: fp16 or bf16, sm80 to sm121, no dropout on cuDNN 9.11-9.13, a dropout
+  probability that is a multiple of 1/16 (``check_cudnn_dropout``), and ``check_cudnn_tensor_shapes``:
+  batch and heads at most 65535, head dims multiples of 8 and at most 128 (256 on sm90 from cuDNN 9.10;
+  (192, 128) on sm10x from cuDNN 9.11), ``kv_len != 1``, no ``q_len == 1`` with dropout. Two filters of
+  the 2.14 binary are known only from their warning strings in ``libtorch_cuda.so`` (no source copy with
+  them was found): "cuDNN SDPA decode is disabled ... for cuDNN versions 9.19-9.25.0 (except 9.24.1) on
+  SM 10.x and 11.x", modelled as ``q_len == 1`` on those GPUs; and ``check_cudnn_d256_bprop_head_dim``,
+  "cuDNN SDPA on SM 9.0/10.x does not support backward with these head dimensions", modelled as: no
+  training with a head dim above 128 on sm90/sm10x (a guess at the exact range; the backends it then
+  falls to keep the same bytes within 24).
+* math: always enabled, so the last resort.
+
+Not modelled (the defaults and common cases are assumed): nested tensors, GQA (``enable_gqa``),
+``use_deterministic_algorithms`` (which vetoes cuDNN), strides and storage offsets (all are taken as
+contiguous and aligned; the cuDNN layout check is not in ``can_use_cudnn_attention``'s list),
+``attn_mask`` shapes (taken as 2-D or 4-D broadcastable, without grad), user changes to the enable flags
+or the order, and ROCm.
+
+Saved bytes (:func:`saved_bytes`) count what the forward allocates *beyond its output* that autograd
+keeps until backward: q, k, v and the output are not counted (the caller has them; fused backends save
+the output, math saves no output). From the meta functions in ``torch/_meta_registrations.py`` and the
+CUDA implementations (``attention.cu``, ``flash_api.cpp``):
+
+* flash (``meta__scaled_dot_product_flash_attention``): logsumexp ``(B, H, L)`` fp32, plus a 2-element
+  uint64 ``rng_state`` and a uint64 scalar, both on the GPU ("[Note] BC breaking change to flash
+  seed/offset"); when the head dim is not a multiple of 8, the padded copies of q, k, v that
+  ``attention.cpp`` makes (``pad_last_dim<8>``) and the output's padding are saved too.
+* efficient (``meta__scaled_dot_product_efficient_attention``): logsumexp ``(B, H, ceil(L / 32) * 32)``
+  fp32 when ``compute_log_sumexp`` (inputs need grad); seed and offset are CPU tensors outside CUDA graph
+  capture ("Note [Seed and Offset Device]"), so they cost the GPU nothing.
+* cudnn (``meta__scaled_dot_product_cudnn_attention``): logsumexp ``(B, H, L, 1)`` fp32, plus int64
+  seed and offset scalars on the GPU (``_cudnn_attention_forward``).
+* math (``_scaled_dot_product_attention_math`` in ``attention.cpp``): fp16/bf16 inputs are upcast to
+  fp32 (``allow_fp16_bf16_reduction_mathSDP`` defaults to false); the scaled query ``(B, H, L, E)``, the
+  scaled key ``(B, H, S, E)`` and the softmax ``(B, H, L, S)`` are saved in the compute dtype, so is the
+  fp32 copy of a half value; with dropout, CUDA's ``native_dropout`` adds its bool mask and the dropped
+  weights ``(B, H, L, S)``.
+
+An ``attn_mask`` is not counted: its shape is unknown here (efficient saves the mask, padded to a
+multiple of 16 when misaligned; a bool mask becomes a float copy). Without grad nothing is saved.
+
+Example:
+    >>> import torch
+    >>> call = AttentionCall(batch=8, heads=16, q_len=1000, kv_len=1000, head_dim=64, value_head_dim=64,
+    ...                      dtype=torch.bfloat16, has_mask=False, dropout=False, is_causal=True,
+    ...                      requires_grad=True)
+    >>> cuda_backend(call, (8, 0)), cuda_backend(call, (9, 0)), cuda_backend(call, (7, 5))
+    ('flash', 'cudnn', 'math')
+    >>> saved_bytes(call, "flash")        # logsumexp 8*16*1000*4, rng state 16 + 8
+    512024
+    >>> saved_bytes(call, "efficient")    # logsumexp padded to 1024 columns
+    524288
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_memest.accounting.kernels import KernelMemory
+from lightning_memest.engine.events import OpCall
+
+__all__ = [
+    "ASSUMED_CAPABILITY",
+    "BACKENDS",
+    "CPU_ATTENTION",
+    "DEFAULT_CUDNN_VERSION",
+    "DEFAULT_DROPOUT_P",
+    "AttentionCall",
+    "cuda_backend",
+    "cuda_what_if_memory",
+    "prefers_cudnn",
+    "saved_bytes",
+]
+
+BACKENDS: tuple[str, ...] = ("flash", "efficient", "cudnn", "math")
+# What ``capability=None`` stands for: an A100.
+ASSUMED_CAPABILITY: tuple[int, int] = (8, 0)
+# ``torch.backends.cudnn.version()`` of the torch 2.14.1+cu130 wheel (nvidia-cudnn-cu13 9.24.0).
+DEFAULT_CUDNN_VERSION = 92400
+# ``nn.MultiheadAttention``/``nn.Transformer*``'s default, used when only "dropout on" is known.
+DEFAULT_DROPOUT_P = 0.1
+
+_HALF = (torch.float16, torch.bfloat16)
+_LSE_ITEMSIZE = 4  # logsumexp is float32 for every fused backend
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One SDPA call in the layout ``(batch, heads, seq, head_dim)``, q, k and v with the same heads.
+
+    ``requires_grad`` means autograd records the call (some input needs grad and grad mode is on, as
+    ``input_requires_grad`` reads it). ``dropout_p`` refines ``dropout`` where the probability is known;
+    cuDNN only takes multiples of 1/16, and with ``None`` :data:`DEFAULT_DROPOUT_P` is assumed.
+    """
+
+    batch: int
+    heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    value_head_dim: int
+    dtype: torch.dtype
+    has_mask: bool
+    dropout: bool
+    is_causal: bool
+    requires_grad: bool
+    dropout_p: float | None = None
+
+    @property
+    def effective_dropout_p(self) -> float:
+        if not self.dropout:
+            return 0.0
+        return DEFAULT_DROPOUT_P if self.dropout_p is None else self.dropout_p
+
+
+def _in_sm_range(cap: tuple[int, int], lower: tuple[int, int], upper: tuple[int, int]) -> bool:
+    # check_sm_version: inclusive on both ends, (major, minor) compared lexicographically.
+    return lower <= cap <= upper
+
+
+def prefers_cudnn(capability: tuple[int, int], cudnn_version: int = DEFAULT_CUDNN_VERSION) -> bool:
+    """``check_prefer_cudnn_attention``: does ``priority_order`` put cuDNN first on this GPU?"""
+    major, minor = capability
+    return cudnn_version > 91500 and major in (9, 10) and minor in (0, 3)
+
+
+def _can_use_flash(call: AttentionCall, cap: tuple[int, int]) -> bool:
+    if call.has_mask:  # check_for_attn_mask
+        return False
+    # check_head_dim_size_flash: same last dim for q, k, v and <= 256 (not 8-aligned: attention.cpp pads).
+    if call.head_dim != call.value_head_dim or not 0 < call.head_dim <= 256:
+        return False
+    if not _in_sm_range(cap, (8, 0), (12, 1)):  # check_flash_attention_hardware_support
+        return False
+    # check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120: FA2's backward lacks these.
+    if call.requires_grad and (_in_sm_range(cap, (8, 6), (8, 9)) or _in_sm_range(cap, (12, 0), (12, 1))):
+        d = call.head_dim
+        if 192 < d <= 224 or (d > 224 and call.effective_dropout_p > 0.0):
+            return False
+    if call.is_causal and call.q_len != call.kv_len:  # check_flash_causal_non_square_seqlens
+        return False
+    if call.dtype not in _HALF:  # check_dtypes_flash_attention (sm >= 8 here)
+        return False
+    return call.q_len > 0 and call.kv_len > 0  # check_nonzero_sequence_lengths_dense
+
+
+def _mem_efficient_alignment(call: AttentionCall, cap: tuple[int, int]) -> int:
+    # minimum_gemm_alignment: 128-bit tensor-core loads from sm80 (always) or sm70 (half only).
+    is_half = call.dtype in _HALF
+    use_tc = cap[0] >= 8 or (cap[0] >= 7 and is_half)
+    alignment = 4 if cap[0] >= 8 else 1
+    if use_tc:
+        alignment = max(alignment, 128 // (16 if is_half else 32))
+    return alignment
+
+
+def _can_use_efficient(call: AttentionCall, cap: tuple[int, int]) -> bool:
+    if not _in_sm_range(cap, (5, 0), (12, 1)):  # check_mem_efficient_hardware_support
+        return False
+    a = _mem_efficient_alignment(call, cap)  # check_head_dim_size_mem_efficient
+    if not all(dim > 0 and dim % a == 0 for dim in (call.head_dim, call.value_head_dim)):
+        return False
+    if call.q_len <= 0 or call.kv_len <= 0:  # check_nonzero_sequence_lengths_dense
+        return False
+    if cap[0] >= 8:
+        return call.dtype in (torch.float16, torch.float32, torch.bfloat16)
+    return call.dtype in (torch.float16, torch.float32)
+
+
+def _can_use_cudnn(call: AttentionCall, cap: tuple[int, int], version: int) -> bool:
+    p = call.effective_dropout_p
+    if p > 0.0 and 91100 < version < 91400:  # "cuDNN version does not support dropout (9.11 - 9.13)"
+        return False
+    if p * 16.0 != float(int(p * 16.0)):  # check_cudnn_dropout: dropout resolution is 1/16
+        return False
+    if call.dtype not in _HALF:  # check_dtypes_low_precision (sm >= 8 here)
+        return False
+    if not _in_sm_range(cap, (8, 0), (12, 1)):  # check_cudnn_hardware_support
+        return False
+    if call.q_len <= 0 or call.kv_len <= 0:  # check_nonzero_sequence_lengths_dense
+        return False
+    # check_cudnn_tensor_shapes
+    if call.batch > 65535 or call.heads > 65535:
+        return False
+    d_qk, d_v = call.head_dim, call.value_head_dim
+    limit = 128
+    if version >= 91000 and cap == (9, 0):
+        limit = 256
+    if version >= 91100 and cap[0] == 10 and (d_qk, d_v) == (192, 128):
+        limit = 192
+    if d_qk > limit or d_v > limit or d_qk % 8 or d_v % 8:
+        return False
+    if call.kv_len == 1 or (call.q_len == 1 and p > 0.0):
+        return False
+    # 2.14 binary only (warning strings): decode disabled on sm10x/11x for cuDNN 9.19-9.25.0 but 9.24.1.
+    if call.q_len == 1 and cap[0] in (10, 11) and 91900 <= version <= 92500 and version != 92401:
+        return False
+    # 2.14 binary only: check_cudnn_d256_bprop_head_dim; the exact head-dim range is an assumption.
+    return not (call.requires_grad and (cap == (9, 0) or cap[0] == 10) and max(d_qk, d_v) > 128)
+
+
+def cuda_backend(
+    call: AttentionCall,
+    capability: tuple[int, int] | None,
+    *,
+    cudnn_version: int = DEFAULT_CUDNN_VERSION,
+) -> str:
+    """The backend ``select_sdp_backend`` picks with the default flags and order.
+
+    Returns ``"flash"``, ``"efficient"``, ``"cudnn"`` or ``"math"``.
+
+    ``capability`` is the GPU's ``(major, minor)`` compute capability; ``None`` (unknown) assumes sm80, an
+    A100 (:data:`ASSUMED_CAPABILITY`). ``cudnn_version`` is the runtime cuDNN as
+    ``torch.backends.cudnn.version()`` reports it (9.24.0 is ``92400``).
+    """
+    cap = ASSUMED_CAPABILITY if capability is None else capability
+    if prefers_cudnn(cap, cudnn_version):
+        order: tuple[str, ...] = ("cudnn", "flash", "efficient", "math")
+    else:
+        order = ("flash", "efficient", "math", "cudnn")  # Context.h's default sdp_priority_order
+    for backend in order:
+        if backend == "math":
+            return "math"  # userEnabledMathSDP() is true by default
+        if backend == "flash" and _can_use_flash(call, cap):
+            return "flash"
+        if backend == "efficient" and _can_use_efficient(call, cap):
+            return "efficient"
+        if backend == "cudnn" and _can_use_cudnn(call, cap, cudnn_version):
+            return "cudnn"
+    raise AssertionError("unreachable: math ends every order")
+
+
+def saved_bytes(call: AttentionCall, backend: str) -> int:
+    """GPU bytes the forward of ``backend`` leaves saved for backward beyond its output and q, k, v.
+
+    Zero when ``call.requires_grad`` is false (nothing is recorded, the extras die with the op). The
+    sizes are raw tensor bytes, before the caching allocator rounds each block (to 512 B at least).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown SDPA backend {backend!r}; expected one of {BACKENDS}")
+    if not call.requires_grad:
+        return 0
+    b, h, lq, lk = call.batch, call.heads, call.q_len, call.kv_len
+    d, dv = call.head_dim, call.value_head_dim
+    item = call.dtype.itemsize
+    if backend == "flash":
+        total = b * h * lq * _LSE_ITEMSIZE + 2 * 8 + 8  # logsumexp; rng_state uint64[2]; unused uint64[]
+        padded = -(-d // 8) * 8
+        if padded != d:  # pad_last_dim<8>: new q, k, v are saved, and the output is allocated padded
+            total += (b * h * lq * padded + 2 * b * h * lk * padded) * item + b * h * lq * (padded - d) * item
+        return total
+    if backend == "efficient":
+        return b * h * (-(-lq // 32) * 32) * _LSE_ITEMSIZE  # seed/offset live on the CPU
+    if backend == "cudnn":
+        return b * h * lq * 1 * _LSE_ITEMSIZE + 8 + 8  # logsumexp (B, H, L, 1); int64 seed and offset
+    # math: the decomposition computes in fp32 for half inputs.
+    acc = 4 if call.dtype in _HALF else item
+    total = (b * h * lq * d + b * h * lk * d + b * h * lq * lk) * acc  # scaled q, scaled k, softmax
+    if call.dtype in _HALF:
+        total += b * h * lk * dv * 4  # the fp32 copy of v that the second matmul saves
+    if call.effective_dropout_p > 0.0:
+        total += b * h * lq * lk * (1 + acc)  # native_dropout's bool mask and the dropped weights
+    return total
+
+
+#: The op a CPU run of ``scaled_dot_product_attention`` calls (when the CPU picks its flash kernel).
+CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def cuda_what_if_memory(call: OpCall, capability: tuple[int, int] | None) -> KernelMemory | None:
+    """In a CUDA what-if (the step ran on the CPU), what the CUDA backend would save beyond what the CPU
+    kernel saved: the CPU kernel keeps a ``(B, H, L)`` fp32 logsumexp; the difference is put on that
+    output. Inputs are taken to need grad (a training step).
+
+    >>> import torch
+    >>> from lightning_memest.engine.events import OpCall, TensorMeta
+    >>> q = TensorMeta((2, 4, 100, 64), (25600, 6400, 64, 1), torch.float32, "cpu", 204800)
+    >>> lse = TensorMeta((2, 4, 100), (400, 100, 1), torch.float32, "cpu", 3200)
+    >>> call = OpCall(CPU_ATTENTION, (q, q, q), {}, (q, lse), "cpu")
+    >>> cuda_what_if_memory(call, (8, 0))  # fp32 on an A100: efficient, logsumexp padded to 128
+    KernelMemory(workspace_bytes=0, workspace_after_outputs=True, extra_output_bytes=(0, 896))
+    """
+    if call.op != CPU_ATTENTION:
+        return None
+    q, k, v = call.args[:3]
+    dropout_p = float(call.arg("dropout_p", 0.0))
+    attention = AttentionCall(
+        batch=q.shape[0],
+        heads=q.shape[1],
+        q_len=q.shape[2],
+        kv_len=k.shape[2],
+        head_dim=q.shape[3],
+        value_head_dim=v.shape[3],
+        dtype=q.dtype,
+        has_mask=call.arg("attn_mask") is not None,
+        dropout=dropout_p > 0.0,
+        is_causal=bool(call.arg("is_causal", False)),
+        requires_grad=True,
+        dropout_p=dropout_p,
+    )
+    cpu_saved = attention.batch * attention.heads * attention.q_len * _LSE_ITEMSIZE
+    extra = saved_bytes(attention, cuda_backend(attention, capability)) - cpu_saved
+    return KernelMemory(extra_output_bytes=(0, extra)) if extra > 0 else None
