@@ -153,7 +153,15 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_estimate_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     data = run_json(capsys, "estimate", *CONV)
-    assert set(data) == {"peak_bytes", "reserved_bytes", "breakdown_bytes", "flops", "estimate_seconds"}
+    assert set(data) == {
+        "peak_bytes",
+        "reserved_bytes",
+        "cuda_context_bytes",
+        "breakdown_bytes",
+        "flops",
+        "estimate_seconds",
+        "gpu_memory",
+    }
     assert set(data["peak_bytes"]) == {"first_step", "steady_state"}
     assert all(type(v) is int and v > 0 for v in data["peak_bytes"].values())
     assert data["reserved_bytes"] is None  # CPU: no caching allocator
