@@ -173,6 +173,23 @@ def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
         help="class names of the modules sharded as FSDP units (default: each block of every nn.ModuleList)",
     )
     g.add_argument(
+        "--fsdp-param-dtype",
+        choices=tuple(_DTYPES),
+        default=None,
+        help="FSDP's MixedPrecisionPolicy param_dtype: the dtype units are all-gathered and computed in",
+    )
+    g.add_argument(
+        "--fsdp-reduce-dtype",
+        choices=tuple(_DTYPES),
+        default=None,
+        help="FSDP's MixedPrecisionPolicy reduce_dtype: the dtype gradients are reduce-scattered in",
+    )
+    g.add_argument(
+        "--fsdp-keep-unsharded",
+        action="store_true",
+        help="fully_shard(reshard_after_forward=False): units stay gathered from forward to backward",
+    )
+    g.add_argument(
         "--bucket-cap-mb", type=float, default=25.0, metavar="MB", help="DDP's bucket size (default 25)"
     )
     g.add_argument(
@@ -232,7 +249,16 @@ def _strategy(args: argparse.Namespace) -> Strategy | None:
             gradient_as_bucket_view=args.gradient_as_bucket_view,
         )
     units = tuple(u.strip() for u in args.fsdp_units.split(",") if u.strip()) if args.fsdp_units else None
-    return FSDP(args.world_size, units=units)
+    return FSDP(
+        args.world_size,
+        units=units,
+        reshard_after_forward=not args.fsdp_keep_unsharded,
+        param_dtype=_DTYPES.get(args.fsdp_param_dtype or ""),
+        reduce_dtype=_DTYPES.get(args.fsdp_reduce_dtype or ""),
+    )
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _add_profile_parser(sub: Any, model_help: str) -> None:

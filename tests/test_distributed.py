@@ -108,14 +108,30 @@ def test_default_fsdp_units_are_the_blocks_of_module_lists() -> None:
 @pytest.fixture(scope="module")
 def measured() -> Iterator[dict[str, dict[int, tuple[int, ...]]]]:
     results = {}
-    for name, strategy in (("ddp", DDP(2)), ("fsdp", FSDP(2))):
+    for name, strategy in REAL_RUNS.items():
         results[name] = dist_worker.run_ranks(strategy, _free_port())
     yield results
 
 
+REAL_RUNS: dict[str, DDP | FSDP] = {
+    "ddp": DDP(2),
+    "fsdp": FSDP(2),
+    # FSDP's mixed-precision policy (bf16 all-gathered parameters, fp32 reduction) and no resharding.
+    "fsdp_bf16": FSDP(2, param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "fsdp_kept": FSDP(2, reshard_after_forward=False),
+}
+
+
 @pytest.mark.parametrize(
     ("name", "strategy"),
-    [("ddp", DDP(2)), ("ddp-rank1", DDP(2, rank=1)), ("fsdp", FSDP(2)), ("fsdp-rank1", FSDP(2, rank=1))],
+    [
+        ("ddp", DDP(2)),
+        ("ddp-rank1", DDP(2, rank=1)),
+        ("fsdp", FSDP(2)),
+        ("fsdp-rank1", FSDP(2, rank=1)),
+        ("fsdp_bf16", REAL_RUNS["fsdp_bf16"]),
+        ("fsdp_kept-rank1", FSDP(2, rank=1, reshard_after_forward=False)),
+    ],
 )
 def test_per_rank_estimate_matches_a_real_two_process_gloo_run(
     measured: dict[str, dict[int, tuple[int, ...]]], name: str, strategy: DDP | FSDP
@@ -154,6 +170,11 @@ def test_cli_estimates_one_rank(capsys: pytest.CaptureFixture[str]) -> None:
     fsdp = json.loads(capsys.readouterr().out)
     assert fsdp.keys() == plain.keys()
     assert fsdp["peak_bytes"]["steady_state"] < plain["peak_bytes"]["steady_state"]
+    assert (
+        main([*args, "--strategy", "fsdp", "--world-size", "4", "--fsdp-param-dtype", "bf16", "--json"]) == 0
+    )
+    bf16 = json.loads(capsys.readouterr().out)  # half-size gathered units and activations
+    assert bf16["peak_bytes"]["steady_state"] < fsdp["peak_bytes"]["steady_state"]
     assert main([*args, "--strategy", "ddp", "--world-size", "8"]) == 0
     assert "ddp on 8 ranks, per rank" in capsys.readouterr().out
     assert main([*args, "--strategy", "ddp"]) == 2
