@@ -98,6 +98,24 @@ def test_the_model_is_left_as_it_was_and_can_be_estimated_again() -> None:
     model(x).sum().backward()  # and it still trains
 
 
+def test_inside_a_running_job_ddp_is_simulated_on_a_group_of_its_own() -> None:
+    # A real (gloo, one-rank) job: the simulation must not create a registered group, which is a
+    # collective every rank would have to join; any world size can be simulated.
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, x = _mlp(), torch.randn(16, 300)
+        plain = estimate_step(model, x, optimizer=torch.optim.SGD)
+        ddp = estimate_step(model, x, optimizer=torch.optim.SGD, strategy=DDP(8, rank=5))
+        assert ddp.first_step.bytes - plain.first_step.bytes == sum(p.numel() * 4 for p in model.parameters())
+        assert dist.get_world_size() == 1
+        with pytest.raises(EstimationError, match="inside a running distributed job"):
+            estimate_step(model, x, optimizer=torch.optim.SGD, strategy=FSDP(2))
+    finally:
+        dist.destroy_process_group()
+
+
 def test_default_fsdp_units_are_the_blocks_of_module_lists() -> None:
     model = TinyGPT(n_layers=3)
     assert fsdp_units(model, None) == list(reversed(list(model.blocks)))

@@ -116,9 +116,10 @@ def fake_process_group(strategy: Strategy) -> Iterator[None]:
     """A fake process group of the strategy's world size for :func:`wrap` to use inside the block.
 
     Without a process group in this process, the default one is created (backend ``fake``, this
-    rank) and destroyed on exit. Inside a real distributed job (the callback under DDP), a fake group
-    over the job's ranks is made with ``new_group`` -- which every rank has to call, as every rank
-    estimates.
+    rank) and destroyed on exit. Inside a real distributed job (the callback under DDP) a fake group is
+    made without registering it -- registering (``new_group``) is a collective, which ranks that
+    estimate at different moments (a batch-size search on one rank only) would deadlock on. FSDP
+    needs a registered group for its device mesh: it is simulated only outside a job.
     """
     dist = _dist()
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
@@ -133,18 +134,31 @@ def fake_process_group(strategy: Strategy) -> Iterator[None]:
             _group.reset(token)
             dist.destroy_process_group()
         return
-    if dist.get_world_size() != strategy.world_size:
+    if isinstance(strategy, FSDP):
         raise EstimationError(
-            f"this process is in a job of {dist.get_world_size()} ranks; it cannot simulate "
-            f"{strategy.world_size} (estimate in a process without a process group)"
+            "FSDP cannot be simulated inside a running distributed job (its device mesh needs a "
+            "registered process group); estimate in a process without one (memest estimate --strategy fsdp)"
         )
-    group = dist.new_group(backend="fake")
-    token = _group.set(group)
+    token = _group.set(_unregistered_group(strategy.rank, strategy.world_size, FakeStore()))
     try:
         yield
     finally:
         _group.reset(token)
-        dist.destroy_process_group(group)
+
+
+def _unregistered_group(rank: int, world_size: int, store: Any) -> Any:
+    """A ``ProcessGroup`` over the fake backend that no registry knows (as ``init_process_group``
+    assembles one, without the bookkeeping)."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    dist = _dist()
+    group = dist.ProcessGroup(store, rank, world_size)
+    backend = FakeProcessGroup._create_internal(rank, world_size)
+    kind = dist.ProcessGroup.BackendType.CUSTOM
+    for device in ("cpu", "cuda"):  # fake CUDA tensors on a GPU machine
+        group._register_backend(torch.device(device), kind, backend)
+    group._set_default_backend(kind)
+    return group
 
 
 @contextlib.contextmanager
