@@ -367,7 +367,7 @@ def _estimate(args: argparse.Namespace, out: TextIO) -> None:
     if est.approximate:
         print(
             "  APPROXIMATE: no GPU here; simulated on the CPU and accounted as CUDA (caching allocator,"
-            " cuBLAS workspace, foreach optimizers; not cuDNN, attention backends, CUDA autocast lists)",
+            " cuBLAS workspace, foreach optimizers, attention backend, autocast lists; not cuDNN)",
             file=out,
         )
     _print_estimate(est, out)

@@ -140,9 +140,9 @@ class StepEstimate:
     estimate_seconds: float
     """Seconds the simulation took (conversion to fake tensors and the steps)."""
     approximate: bool = False
-    """True for a CUDA what-if on a machine without a GPU: CPU kernels ran, CUDA's allocator,
-    cuBLAS workspace and optimizer defaults were modelled; cuDNN, attention-backend and autocast-list
-    differences were not."""
+    """True for a CUDA what-if on a machine without a GPU: CPU kernels ran; CUDA's allocator, library
+    workspaces, optimizer defaults, attention backend and autocast lists were modelled, cuDNN's
+    workspaces were not."""
     cuda_context_bytes: int | None = None
     """On CUDA, the CUDA context outside the caching allocator (measured on a GPU, assumed in a
     what-if; see ``accounting.cuda_device``); ``None`` on CPU."""

@@ -121,3 +121,41 @@ def test_what_if_accounts_for_the_attention_backend_cuda_would_pick() -> None:
         2 * b * h * length * d + b * h * length * length + b * h * length * d
     ) * 4 - b * h * length * 4
     assert math_path.first_step.bytes - flash.first_step.bytes >= 2 * extra_per_layer * 0.9
+
+
+def test_what_if_follows_cuda_autocast_lists() -> None:
+    # Under bf16 autocast CUDA runs layer_norm and softmax in float32 (PyTorch's AMP op reference),
+    # the CPU in bfloat16: the what-if saves their float32 outputs, as a CUDA run would.
+    import torch.nn.functional as F
+
+    from lightning_memest.engine.cuda_autocast import cuda_autocast_lists
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cpu = [
+            F.linear(x, w).softmax(-1).dtype,
+            F.layer_norm(F.linear(x, w), (8,)).dtype,
+            F.linear(x, w).sum().dtype,
+        ]
+        with cuda_autocast_lists():
+            h = F.linear(x, w)
+            cuda = [h.softmax(-1).dtype, F.layer_norm(h, (8,)).dtype, h.sum().dtype]
+            assert torch.mv(w, x[0]).dtype == torch.bfloat16  # CUDA's extra lower-precision op
+            assert h.sum(dtype=torch.float16).dtype == torch.float16  # an explicit dtype= is not autocast
+    assert cpu == [torch.bfloat16] * 3
+    assert cuda == [torch.float32] * 3
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.norm, self.b = nn.Linear(256, 256), nn.LayerNorm(256), nn.Linear(256, 256)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.norm(self.a(x)).softmax(-1))  # type: ignore[no-any-return]
+
+    model, batch = Net(), torch.randn(512, 256)
+    on_cpu = estimate_step(model, batch, optimizer=torch.optim.SGD, precision="bf16-mixed")
+    what_if = estimate_step(model, batch, optimizer=torch.optim.SGD, precision="bf16-mixed", device="cuda")
+    # layer_norm's and softmax's outputs, saved for backward: 2 x 512 x 256 x 2 B more in float32
+    extra = what_if.steady_state.breakdown.activations - on_cpu.steady_state.breakdown.activations
+    assert extra >= 2 * 512 * 256 * 2

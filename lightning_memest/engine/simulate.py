@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves
 
+from lightning_memest.engine.cuda_autocast import cuda_autocast_lists
 from lightning_memest.engine.distributed import (
     Strategy,
     fake_process_group,
@@ -25,7 +26,7 @@ from lightning_memest.engine.distributed import (
 )
 from lightning_memest.engine.events import Event, OpEvent, Role
 from lightning_memest.engine.fake import FakeConverter, fake_module, resident_tensors
-from lightning_memest.engine.step import StepConfig, StepListener, StepRunner, true_dtype
+from lightning_memest.engine.step import StepConfig, StepListener, StepRunner, autocast_dtype, true_dtype
 from lightning_memest.engine.tracker import (
     CaptureFilter,
     Tracker,
@@ -104,6 +105,8 @@ def simulate(
         stack.enter_context(_preserved_rng(target))
         if target.type == "cuda" or what_if == "cuda":
             stack.enter_context(_cuda_optimizer_defaults(what_if=what_if == "cuda"))
+        if what_if == "cuda" and autocast_dtype(precision) is not None:
+            stack.enter_context(cuda_autocast_lists())  # the CPU's autocast, with CUDA's op lists
         # torch.compile'd modules run eagerly here: compiling on fake tensors inside the estimate
         # crashed the process (a segfault no warning can catch). The estimate is of eager memory.
         stack.enter_context(torch._dynamo.config.patch(disable=True))
