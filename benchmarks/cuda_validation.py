@@ -6,8 +6,11 @@ Run on a machine with a CUDA device (it exits with a message otherwise):
 
 For each case of the visible set (tests/test_accuracy.py), ``estimate_case(device="cuda")`` (fake CUDA
 tensors; the caching allocator model gives allocated and reserved) against ``measure_case(device=
-"cuda")`` (``torch.cuda.max_memory_allocated``/``max_memory_reserved``, reset before each step). Prints
-a markdown table with the GPU's name and the date, for the README.
+"cuda")`` (``torch.cuda.max_memory_allocated``/``max_memory_reserved``, reset before each step). Also
+the CPU-only what-if of the same case (``MEMEST_CUDA_WHAT_IF=1``: simulated on fake CPU tensors and
+accounted as CUDA, as on a machine without a GPU) against the same measurement, and the device memory
+the estimate gives (reserved + CUDA context) against what the device reports used (``mem_get_info``)
+after the measured steps. Prints markdown tables with the GPU's name and the date, for the README.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -36,11 +40,18 @@ def error(estimated: int, measured: int) -> float:
 def run(spec: str, batch_size: int, optimizer: str, precision: str) -> dict[str, Any]:
     case = build_case(spec, case_input(spec, batch_size), optimizer=optimizer, precision=precision)
     est = estimate_case(case, device="cuda")
+    os.environ["MEMEST_CUDA_WHAT_IF"] = "1"
+    try:
+        what_if = estimate_case(case, device="cuda")
+    finally:
+        del os.environ["MEMEST_CUDA_WHAT_IF"]
     torch.cuda.empty_cache()
     real = measure_case(case, device="cuda")
+    free, total = torch.cuda.mem_get_info()
     del case
     torch.cuda.empty_cache()
     assert est.reserved_bytes is not None and real.reserved_bytes is not None
+    assert what_if.approximate and what_if.reserved_bytes is not None
     return {
         "model": spec.split(":")[1],
         "batch": batch_size,
@@ -55,6 +66,15 @@ def run(spec: str, batch_size: int, optimizer: str, precision: str) -> dict[str,
         "estimated_reserved": list(est.reserved_bytes),
         "measured_reserved": list(real.reserved_bytes),
         "estimate_seconds": est.estimate_seconds,
+        "what_if_allocated_error_pct": [
+            error(p.bytes, m) for p, m in zip(what_if.peaks, real.peak_bytes, strict=True)
+        ],
+        "what_if_reserved_error_pct": [
+            error(e, m) for e, m in zip(what_if.reserved_bytes, real.reserved_bytes, strict=True)
+        ],
+        "device_bytes_estimated": est.device_bytes,
+        "device_bytes_used": total - free,
+        "cuda_context_bytes": est.cuda_context_bytes,
     }
 
 
@@ -82,6 +102,16 @@ def main() -> None:
         print(
             f"| {r['model']} | {r['batch']} | {r['optimizer']} | {r['precision']} "
             f"| {a1:+.2f} % / {a2:+.2f} % | {r1:+.2f} % / {r2:+.2f} % |"
+        )
+    print("\nThe CPU-only what-if (MEMEST_CUDA_WHAT_IF=1) against the same measurements; device memory:\n")
+    print("| model | what-if allocated 1 / 2 | what-if reserved 1 / 2 | device est. / used (mem_get_info) |")
+    print("|---|---|---|---|")
+    for r in rows:
+        w1, w2 = r["what_if_allocated_error_pct"]
+        v1, v2 = r["what_if_reserved_error_pct"]
+        print(
+            f"| {r['model']} | {w1:+.2f} % / {w2:+.2f} % | {v1:+.2f} % / {v2:+.2f} % "
+            f"| {r['device_bytes_estimated'] / 2**20:.0f} / {r['device_bytes_used'] / 2**20:.0f} MiB |"
         )
     allocated = [abs(e) for r in rows for e in r["allocated_error_pct"]]
     reserved = [abs(e) for r in rows for e in r["reserved_error_pct"]]

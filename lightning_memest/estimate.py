@@ -22,7 +22,7 @@ from lightning_memest.accounting.allocator import (
     replay_caching_allocator,
 )
 from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
-from lightning_memest.accounting.cuda_device import CudaDevice, library_workspace
+from lightning_memest.accounting.cuda_device import DEFAULT_CONTEXT_BYTES, CudaDevice, library_workspace
 from lightning_memest.accounting.kernels import KernelMemory
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.events import Alloc, DataDependent, Event, OpCall, OpEvent, Role, Tag
@@ -239,7 +239,13 @@ def _is_cuda(sim: Simulation) -> bool:
 def _gpu(sim: Simulation, gpu: CudaDevice | None) -> CudaDevice:
     if gpu is not None:
         return gpu
-    return CudaDevice.local(sim.device) if sim.device.type == "cuda" else CudaDevice()
+    if sim.device.type == "cuda":
+        return CudaDevice.local(sim.device)
+    if torch.cuda.is_available():  # a what-if on a GPU machine (to measure it): this GPU's capability
+        return dataclasses.replace(
+            CudaDevice.local(torch.device("cuda")), context_bytes=DEFAULT_CONTEXT_BYTES
+        )
+    return CudaDevice()
 
 
 def _device_peaks(sim: Simulation, gpu: CudaDevice) -> DevicePeaks:

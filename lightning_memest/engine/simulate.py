@@ -6,6 +6,7 @@ batch-size search) turn the stream into numbers.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -159,7 +160,8 @@ def _target_device(model: nn.Module, device: str | torch.device | None) -> tuple
         device = "cpu" if first is None or first.device.type == "meta" else first.device
     target = torch.device(device)
     if target.type == "cuda":
-        if not torch.cuda.is_available():
+        # MEMEST_CUDA_WHAT_IF=1 takes the what-if path on a GPU machine too, to measure it there.
+        if not torch.cuda.is_available() or os.environ.get("MEMEST_CUDA_WHAT_IF") == "1":
             return torch.device("cpu"), "cuda"
         if target.index is None:
             target = torch.device("cuda", torch.cuda.current_device())
