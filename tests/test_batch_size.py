@@ -368,3 +368,32 @@ def test_a_worker_forked_after_a_simulation_steps_aside() -> None:
     worker.close()
     r = search_batch_size(lambda n: 1000 + 37 * n, 10_000, start=16, workers=2)
     assert (r.max_batch_size, len(r.probes)) == (243, 4)
+
+
+class SeenOnDisk(pl.Callback):
+    """Each rank writes the size of its first real batch (spawned workers share no memory with us)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        (self.folder / f"rank{trainer.global_rank}").write_text(str(batch[0].shape[0]))
+
+
+def test_fit_batch_size_under_ddp_counts_the_buckets(tmp_path: Path) -> None:
+    # Two CPU processes (gloo): each rank searches as a DDP rank (its gradient buckets count, one more
+    # copy of the parameters), on a fake group of its own (no collective to deadlock on), and all take
+    # the smallest answer. The buckets leave less room than a single process has.
+    single = FitBatchSize(BUDGET, margin=0.0)
+    _fit(WithLoader(), single)
+    assert single.result is not None
+    trainer = pl.Trainer(
+        callbacks=[FitBatchSize(BUDGET, margin=0.0), SeenOnDisk(tmp_path)], max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu", devices=2, strategy="ddp_spawn",
+    )  # fmt: skip
+    trainer.fit(WithLoader())
+    sizes = {int((tmp_path / f"rank{r}").read_text()) for r in (0, 1)}
+    assert len(sizes) == 1
+    (ddp_size,) = sizes
+    assert 4 < ddp_size < single.result.max_batch_size
