@@ -29,6 +29,7 @@ from lightning_memest.batch_size import (
     parse_size,
     precheck,
 )
+from lightning_memest.engine.fake import local_tensor
 from lightning_memest.engine.step import optimizer_state_tensors
 from lightning_memest.estimate import estimate_lightning_step
 from lightning_memest.lightning_step import first_batch
@@ -388,7 +389,7 @@ class _UnseenBuckets:
 def _resident_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[Tensor]:
     # Plain tensor attributes count too: a cache a module made in the first step (a positional
     # encoding) is resident in the second.
-    state = [t for optimizer in trainer.optimizers for t in optimizer_state_tensors(optimizer)]
+    state = [local_tensor(t) for optimizer in trainer.optimizers for t in optimizer_state_tensors(optimizer)]
     return [*module_tensors(pl_module), *state, *(t for t in tree_leaves(batch) if isinstance(t, Tensor))]
 
 

@@ -252,7 +252,7 @@ def _strategy(args: argparse.Namespace) -> Strategy | None:
     return FSDP(
         args.world_size,
         units=units,
-        reshard_after_forward=not args.fsdp_keep_unsharded,
+        reshard_after_forward=False if args.fsdp_keep_unsharded else None,
         param_dtype=_DTYPES.get(args.fsdp_param_dtype or ""),
         reduce_dtype=_DTYPES.get(args.fsdp_reduce_dtype or ""),
     )

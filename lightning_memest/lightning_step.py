@@ -30,7 +30,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
 
-from lightning_memest.engine.distributed import DDP, Strategy, wrap
+from lightning_memest.engine.distributed import DDP, Strategy, fsdp_like, wrap
 from lightning_memest.engine.fake import setattr_raw
 from lightning_memest.engine.step import (
     Phase,
@@ -97,8 +97,13 @@ class LightningRunner:
         # Under DDP the fit loop calls training_step through the DDP wrapper (its forward prepares the
         # reducer for backward); built before the optimizers, as in strategy.setup.
         self._training_step: Callable[[Any, int], Any] = module.training_step
-        if strategy is not None:
+        if isinstance(strategy, DDP):
             self._training_step = wrap(_TrainingStep(module), strategy, listener.on_communication)
+        elif strategy is not None:
+            # ModelParallelStrategy calls training_step itself, not forward: FSDP's units are sharded
+            # in the module (as configure_model did) and decide their roots lazily, as in the real run
+            # (a unit that runs first without a root above it keeps its parameters gathered).
+            wrap(module, strategy, listener.on_communication)
         optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
         self.optimizers: list[torch.optim.Optimizer] = list(optimizers)
         self.schedulers = [config.scheduler for config in schedulers]
@@ -260,9 +265,10 @@ def lightning_strategy(trainer: pl.Trainer) -> Strategy | None:
     """The data parallelism the trainer trains with, as the simulation runs it (``None``: none).
 
     ``DDPStrategy`` (``ddp``, ``ddp_spawn``, ...) becomes :class:`DDP` with its bucket settings, as this
-    rank. Sharded strategies (FSDP, model parallel, DeepSpeed) have already sharded the module by fit
-    start; simulating them inside ``fit`` is not supported: an ``EstimationError`` says so (the
-    callback turns it into one warning). ``memest estimate --strategy fsdp`` answers for them.
+    rank. ``ModelParallelStrategy`` with FSDP2 applied in ``configure_model`` becomes the :class:`FSDP`
+    that shards the module the same way (``engine.distributed.fsdp_like``). Other sharded strategies
+    (``FSDPStrategy``'s FSDP1, DeepSpeed) are not simulated inside ``fit``: an ``EstimationError`` says
+    so (the callback turns it into one warning); ``memest estimate --strategy fsdp`` answers for them.
     """
     strategy = trainer.strategy
     if isinstance(strategy, DDPStrategy):
@@ -273,6 +279,11 @@ def lightning_strategy(trainer: pl.Trainer) -> Strategy | None:
             bucket_cap_mb=float(kwargs.get("bucket_cap_mb") or 25.0),
             gradient_as_bucket_view=bool(kwargs.get("gradient_as_bucket_view", False)),
         )
+    if any(cls.__name__ == "ModelParallelStrategy" for cls in type(strategy).__mro__):
+        # configure_model has applied fully_shard (FSDP2): simulated by sharding the module again.
+        fsdp = fsdp_like(trainer.lightning_module)
+        if fsdp is not None:
+            return fsdp
     if any(cls.__name__ in _SHARDED for cls in type(strategy).__mro__):
         raise EstimationError(
             f"per-rank estimates under {type(strategy).__name__} are not simulated inside fit yet: the "

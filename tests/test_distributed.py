@@ -98,7 +98,7 @@ def test_the_model_is_left_as_it_was_and_can_be_estimated_again() -> None:
     model(x).sum().backward()  # and it still trains
 
 
-def test_inside_a_running_job_ddp_is_simulated_on_a_group_of_its_own() -> None:
+def test_inside_a_running_job_strategies_are_simulated_on_groups_of_their_own() -> None:
     # A real (gloo, one-rank) job: the simulation must not create a registered group, which is a
     # collective every rank would have to join; any world size can be simulated.
     import torch.distributed as dist
@@ -110,10 +110,16 @@ def test_inside_a_running_job_ddp_is_simulated_on_a_group_of_its_own() -> None:
         ddp = estimate_step(model, x, optimizer=torch.optim.SGD, strategy=DDP(8, rank=5))
         assert ddp.first_step.bytes - plain.first_step.bytes == sum(p.numel() * 4 for p in model.parameters())
         assert dist.get_world_size() == 1
-        with pytest.raises(EstimationError, match="inside a running distributed job"):
+        # FSDP's mesh needs a registered group: one is entered by hand (no collective), for this rank
+        # of this job only.
+        inside = estimate_step(model, x, optimizer=torch.optim.SGD, strategy=FSDP(1, units=("Linear",)))
+        with pytest.raises(EstimationError, match="only for this rank of this job"):
             estimate_step(model, x, optimizer=torch.optim.SGD, strategy=FSDP(2))
+        assert dist.get_world_size() == 1 and len(dist.distributed_c10d._world.pg_map) == 1
     finally:
         dist.destroy_process_group()
+    outside = estimate_step(model, x, optimizer=torch.optim.SGD, strategy=FSDP(1, units=("Linear",)))
+    assert [p.bytes for p in inside.peaks] == [p.bytes for p in outside.peaks]
 
 
 def test_default_fsdp_units_are_the_blocks_of_module_lists() -> None:
@@ -160,6 +166,26 @@ def test_per_rank_estimate_matches_a_real_two_process_gloo_run(
     truth = measured[name.split("-")[0]][strategy.rank]
     for e, m in zip(est.peaks, truth, strict=True):
         assert abs(e.bytes - m) / m <= 0.02, (name, [p.bytes for p in est.peaks], truth)
+
+
+def test_memestimate_under_model_parallel_strategy_estimates_each_rank() -> None:
+    # Lightning's ModelParallelStrategy: configure_model applies fully_shard, so the module arrives
+    # sharded at fit start; the callback shards it again on fake tensors (the same units, policy and
+    # lazily decided roots) and checks itself against each rank's real steps.
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("model_parallel_fit.py")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    reports = [
+        json.loads(line[len("MEMEST ") :]) for line in out.stdout.splitlines() if line.startswith("MEMEST ")
+    ]
+    assert sorted(r["rank"] for r in reports) == [0, 1], out.stderr[-3000:]
+    for r in reports:
+        assert r["estimated"] is not None and len(r["measured"]) == 2
+        for e, m in zip(r["estimated"], r["measured"], strict=True):
+            assert abs(e - m) / m <= 0.02, r
 
 
 def test_max_batch_size_per_rank_grows_with_fsdp() -> None:

@@ -71,13 +71,15 @@ class FSDP:
     ``units`` names the module classes sharded as units (each instance gets ``fully_shard``, inner ones
     first, then the root); ``None`` shards each block of every ``nn.ModuleList`` (the transformer
     layers, as torchtitan and Lightning's examples do) and then the root. ``param_dtype`` and
-    ``reduce_dtype`` are the ``MixedPrecisionPolicy``; ``reshard_after_forward`` as in ``fully_shard``.
+    ``reduce_dtype`` are the ``MixedPrecisionPolicy``; ``reshard_after_forward`` as in ``fully_shard``:
+    ``None`` (its default) reshards every unit after forward but a root, which keeps its parameters
+    gathered for backward.
     """
 
     world_size: int
     rank: int = 0
     units: tuple[str | type[nn.Module], ...] | None = None
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
 
@@ -135,15 +137,54 @@ def fake_process_group(strategy: Strategy) -> Iterator[None]:
             dist.destroy_process_group()
         return
     if isinstance(strategy, FSDP):
-        raise EstimationError(
-            "FSDP cannot be simulated inside a running distributed job (its device mesh needs a "
-            "registered process group); estimate in a process without one (memest estimate --strategy fsdp)"
-        )
+        with _registered_group(strategy, FakeStore()) as group:
+            token = _group.set(group)
+            try:
+                yield
+            finally:
+                _group.reset(token)
+        return
     token = _group.set(_unregistered_group(strategy.rank, strategy.world_size, FakeStore()))
     try:
         yield
     finally:
         _group.reset(token)
+
+
+@contextlib.contextmanager
+def _registered_group(strategy: FSDP, store: Any) -> Iterator[Any]:
+    """A fake group that the registries know -- FSDP's device mesh looks its ranks up there -- entered
+    by hand rather than with ``new_group`` (a collective), and taken out again on exit. The mesh puts
+    this process's rank in the job at the strategy's rank: they must be the same."""
+    dist = _dist()
+    from torch.distributed import distributed_c10d as c10d
+
+    if dist.get_rank() != strategy.rank or dist.get_world_size() != strategy.world_size:
+        raise EstimationError(
+            f"inside a job of {dist.get_world_size()} ranks (this is rank {dist.get_rank()}), FSDP can be "
+            f"simulated only for this rank of this job, not rank {strategy.rank} of {strategy.world_size}; "
+            "estimate in a process without a process group"
+        )
+    group = _unregistered_group(strategy.rank, strategy.world_size, store)
+    name: Any = f"memest_fake_{id(group)}"  # a GroupName
+    group._set_group_name(name)
+    world = c10d._world
+    tag = f"ptd:{name}"
+    world.pg_map[group] = ("fake", store)
+    world.pg_names[group] = name
+    world.pg_group_ranks[group] = {r: r for r in range(strategy.world_size)}
+    world.pg_backend_config[group] = "fake"
+    world.tags_to_pg.setdefault(tag, []).append(group)
+    world.pg_to_tag[group] = tag
+    torch._C._distributed_c10d._register_process_group(name, group)
+    try:
+        yield group
+    finally:
+        torch._C._distributed_c10d._unregister_process_group(name)
+        for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config):
+            table.pop(group, None)
+        world.pg_to_tag.pop(group, None)
+        world.tags_to_pg.pop(tag, None)
 
 
 def _unregistered_group(rank: int, world_size: int, store: Any) -> Any:
@@ -285,6 +326,74 @@ def _fsdp(model: nn.Module, strategy: FSDP, group: Any, on_buffers: BufferListen
     if on_buffers is not None:
         model.register_forward_hook(lambda *_: on_buffers(unsharded_buffers(model)), always_call=True)
     return model
+
+
+def fsdp_like(model: nn.Module) -> FSDP | None:
+    """The FSDP2 sharding a module arrived with (``fully_shard`` already applied, as Lightning's
+    ModelParallelStrategy does in ``configure_model``), as a strategy that redoes it: the classes of
+    its units, the mixed-precision policy and resharding of its root unit, the mesh's size and this
+    rank. ``None`` when the module is not sharded."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return None
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        return None
+    state = sharded[0]._get_fsdp_state()
+    group = state._fsdp_param_group
+    if group is None:  # a root unit with no parameters of its own: read a unit that has some
+        group = next(g for m in sharded if (g := m._get_fsdp_state()._fsdp_param_group) is not None)
+    mesh = group.mesh_info.mesh
+    if mesh.ndim != 1:
+        raise EstimationError("FSDP on a mesh of more than one dimension (HSDP, with TP) is not simulated")
+    policy = state._mp_policy
+    return FSDP(
+        mesh.size(),
+        rank=mesh.get_local_rank(),
+        units=tuple(dict.fromkeys(_original_class(m) for m in sharded)),
+        reshard_after_forward=None
+        if state._auto_reshard_after_forward
+        else group.post_forward_mesh_info is not None,
+        param_dtype=policy.param_dtype,
+        reduce_dtype=policy.reduce_dtype,
+    )
+
+
+def strip_fully_shard(model: nn.Module) -> None:
+    """Undo what ``fully_shard`` did to ``model``'s modules (their class, FSDP's forward hooks, the
+    composable-API registries) so that the simulation can shard them again, on fake tensors.
+
+    Only inside ``engine.fake.fake_module``, which puts every bit of it back on exit (and has already
+    swapped the sharded parameters for whole fake ones).
+    """
+    try:
+        from torch.distributed import _composable_state
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+    except ImportError:
+        return
+    for m in list(model.modules()):
+        if not isinstance(m, FSDPModule):
+            continue
+        state = m._get_fsdp_state()
+        m.__class__ = _original_class(m)  # type: ignore[assignment]
+        for hooks in (m._forward_pre_hooks, m._forward_hooks):
+            for key, hook in list(hooks.items()):
+                if getattr(hook, "__self__", None) is state:
+                    del hooks[key]
+        for value in vars(m).values():  # contract's registry and state dicts
+            if isinstance(value, dict):
+                for key in [k for k, v in value.items() if isinstance(v, FSDPState) or k == "fully_shard"]:
+                    del value[key]
+        _composable_state._module_state_mapping.pop(m, None)
+
+
+def _original_class(m: nn.Module) -> type[nn.Module]:
+    """The class ``fully_shard`` derived ``FSDP<Class>`` from (its bases are ``(FSDPModule, Class)``)."""
+    cls = type(m)
+    base: type[nn.Module] = cls.__bases__[-1]
+    return base
 
 
 def fsdp_units(model: nn.Module, units: tuple[str | type[nn.Module], ...] | None) -> list[nn.Module]:

@@ -56,11 +56,12 @@ class FakeConverter:
     def _convert(self, t: Tensor) -> Tensor:
         if isinstance(t, FakeTensor) and t.fake_mode is self.mode and t.device == self.device:
             fake: Tensor = t
-        elif not isinstance(t, FakeTensor) and t.device == self.device:
+        elif not isinstance(t, FakeTensor) and t.device == self.device and not _is_sharded(t):
             fake = self.mode.from_tensor(t)
         else:
-            # Meta tensors, fake tensors of another mode or device, real tensors of another device:
-            # describe them on the meta device (free) and fake that on the target device.
+            # Meta tensors, fake tensors of another mode or device, real tensors of another device,
+            # and sharded (DTensor) parameters -- whole, at their global shape, for the simulation
+            # to shard again: describe them on the meta device (free) and fake that on the target.
             meta = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
             fake = self.mode.fake_tensor_converter.from_meta_and_device(self.mode, meta, self.device)
         if self.float_dtype is not None and fake.is_floating_point() and fake.dtype != self.float_dtype:
@@ -141,25 +142,31 @@ def setattr_raw(module: nn.Module, name: str, value: Any) -> None:
 _CONTAINERS = (dict, OrderedDict, set)
 
 
-def _composable_modules() -> set[int] | None:
-    """The modules a composable API (``fully_shard``) manages now, or ``None`` without distributed."""
+def _composable_modules() -> dict[nn.Module, Any] | None:
+    """The composable-API (``fully_shard``) state registry as it is now, or ``None`` without
+    distributed."""
     if not torch.distributed.is_available():
         return None
     from torch.distributed import _composable_state
 
-    return {id(m) for m in _composable_state._module_state_mapping}
+    return dict(_composable_state._module_state_mapping)
 
 
-def _forget_composable_state(before: set[int] | None) -> None:
-    """Drop the composable-API state registered during the simulation: ``fully_shard`` refuses a module
-    it has seen once, and the next simulation shards the same modules again."""
+def _forget_composable_state(before: dict[nn.Module, Any] | None) -> None:
+    """Put the composable-API registry back as it was: ``fully_shard`` refuses a module it has seen
+    once (the next simulation shards the same modules again), and a module that arrived sharded was
+    taken out of it for the simulation."""
     if before is None:
         return
     from torch.distributed import _composable_state
 
     mapping = _composable_state._module_state_mapping
-    for m in [m for m in mapping if id(m) not in before]:
-        del mapping[m]
+    mapping.clear()
+    mapping.update(before)
+
+
+def _is_sharded(t: Tensor) -> bool:
+    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
 
 
 def local_tensor(t: Tensor) -> Tensor:

@@ -21,8 +21,10 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_memest.engine.cuda_autocast import cuda_autocast_lists
 from lightning_memest.engine.distributed import (
+    FSDP,
     Strategy,
     fake_process_group,
+    strip_fully_shard,
     untracked_sharding_propagation,
 )
 from lightning_memest.engine.events import Event, OpEvent, Role
@@ -116,6 +118,8 @@ def simulate(
         for t, role, path in _residents(model, fake_batch):
             tracker.add_resident(t, role, path)
         model.train()
+        if isinstance(strategy, FSDP):
+            strip_fully_shard(model)  # a module that arrived sharded is sharded again, on fake tensors
         if strategy is not None:
             stack.enter_context(fake_process_group(strategy))
             stack.enter_context(storage_resizes(tracker))
