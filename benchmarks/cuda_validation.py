@@ -33,6 +33,11 @@ from lightning_memest.models import build_case, estimate_case, measure_case  # n
 from tests.test_accuracy import CASES, case_input  # noqa: E402
 
 
+def pair(errors: list[float]) -> str:
+    """First step / steady state."""
+    return f"{errors[0]:+.2f} % / {errors[1]:+.2f} %"
+
+
 def error(estimated: int, measured: int) -> float:
     return 100.0 * (estimated - measured) / measured
 
@@ -97,21 +102,18 @@ def main() -> None:
     print("| " + " | ".join(headers) + " |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        a1, a2 = r["allocated_error_pct"]
-        r1, r2 = r["reserved_error_pct"]
         print(
             f"| {r['model']} | {r['batch']} | {r['optimizer']} | {r['precision']} "
-            f"| {a1:+.2f} % / {a2:+.2f} % | {r1:+.2f} % / {r2:+.2f} % |"
+            f"| {pair(r['allocated_error_pct'])} | {pair(r['reserved_error_pct'])} |"
         )
     print("\nThe CPU-only what-if (MEMEST_CUDA_WHAT_IF=1) against the same measurements; device memory:\n")
     print("| model | what-if allocated 1 / 2 | what-if reserved 1 / 2 | device est. / used (mem_get_info) |")
     print("|---|---|---|---|")
     for r in rows:
-        w1, w2 = r["what_if_allocated_error_pct"]
-        v1, v2 = r["what_if_reserved_error_pct"]
+        device = f"{r['device_bytes_estimated'] / 2**20:.0f} / {r['device_bytes_used'] / 2**20:.0f} MiB"
         print(
-            f"| {r['model']} | {w1:+.2f} % / {w2:+.2f} % | {v1:+.2f} % / {v2:+.2f} % "
-            f"| {r['device_bytes_estimated'] / 2**20:.0f} / {r['device_bytes_used'] / 2**20:.0f} MiB |"
+            f"| {r['model']} | {pair(r['what_if_allocated_error_pct'])} "
+            f"| {pair(r['what_if_reserved_error_pct'])} | {device} |"
         )
     allocated = [abs(e) for r in rows for e in r["allocated_error_pct"]]
     reserved = [abs(e) for r in rows for e in r["reserved_error_pct"]]

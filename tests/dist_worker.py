@@ -33,7 +33,7 @@ def optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
-def _settle_collectives() -> None:
+def settle_collectives() -> None:
     """Keep the frees of collectives' tensors where the profiler records them.
 
     ``Work.wait()`` returns when a collective is complete, but gloo's worker thread drops its own
@@ -52,6 +52,8 @@ def _settle_collectives() -> None:
 
     ddp_module._sync_module_states = lambda *args, **kwargs: None
     work = torch._C._distributed_c10d.Work
+    if getattr(work, "_memest_settled", False):
+        return
     wait = work.wait
 
     def settled(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -60,6 +62,7 @@ def _settle_collectives() -> None:
         return result
 
     work.wait = settled
+    work._memest_settled = True
 
 
 def _rank(rank: int, world: int, port: int, strategy: Strategy, settle: bool, out: Any) -> None:
@@ -67,7 +70,7 @@ def _rank(rank: int, world: int, port: int, strategy: Strategy, settle: bool, ou
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     if settle:
-        _settle_collectives()
+        settle_collectives()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         m = measure_step(build, batch(), StepConfig(optimizer=optimizer, strategy=strategy), steps=2)
@@ -78,7 +81,7 @@ def _rank(rank: int, world: int, port: int, strategy: Strategy, settle: bool, ou
 
 def run_ranks(strategy: Strategy, port: int, settle: bool = True) -> dict[int, tuple[int, ...]]:
     """Each rank's measured peaks (first step, steady state) of a real ``strategy.world_size`` run
-    (``settle``: frees in program order, see :func:`_settle_collectives`)."""
+    (``settle``: frees in program order, see :func:`settle_collectives`)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [

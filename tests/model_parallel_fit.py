@@ -3,15 +3,16 @@
 starts the second rank by running this file again). Each rank prints one JSON line: its estimate and
 measurement of both steps.
 
-The ranks pause 2 ms after each collective's wait (``Settle``), so that gloo's worker thread lets go
-of a collective's tensors before the main thread does and the CPU profiler sees every free (see
-``tests/dist_worker.py``): an instrument fix of the ground truth, not a change to the run.
+The ranks settle their collectives (``tests/dist_worker.settle_collectives``: a 2 ms pause after each
+wait, so that gloo's worker thread lets go of a collective's tensors before the main thread does and
+the CPU profiler sees every free): an instrument fix of the ground truth, not a change to the run.
 """
 
 from __future__ import annotations
 
 import json
-import time
+import sys
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,21 +23,13 @@ from torch.distributed.fsdp import fully_shard
 
 from lightning_memest import MemEstimate
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository's root
+from tests.dist_worker import settle_collectives
+
 
 class Settle(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        work = torch._C._distributed_c10d.Work
-        if getattr(work, "_memest_settled", False):
-            return
-        wait = work.wait
-
-        def settled(self: Any, *args: Any, **kwargs: Any) -> Any:
-            result = wait(self, *args, **kwargs)
-            time.sleep(0.002)
-            return result
-
-        work.wait = settled
-        work._memest_settled = True
+        settle_collectives()  # in each rank's process
 
 
 class Sharded(pl.LightningModule):
