@@ -393,11 +393,7 @@ def search_batch_size(
     if cap < 1:
         raise ValueError(f"the cap must be at least 1; got {cap}")
     began = time.perf_counter()
-    # Forked before this process runs any probe: autograd refuses to run in a child forked after
-    # the parent's first backward.
-    s = _Search(
-        peak_of, budget_bytes, progress, worker=_Worker(peak_of) if workers > 1 and can_fork() else None
-    )
+    s = _Search(peak_of, budget_bytes, progress, worker=_start_worker(peak_of) if workers > 1 else None)
     try:
         return _search(s, budget_bytes, start, cap, began)
     finally:
@@ -539,6 +535,19 @@ def can_fork() -> bool:
         and threading.active_count() == 1
         and not (torch.distributed.is_available() and torch.distributed.is_initialized())
     )
+
+
+def _start_worker(peak_of: Callable[[int], int | PeakProfile]) -> _Worker | None:
+    """A worker for the search, or ``None`` where forking is unsafe or the child cannot run backward
+    (autograd refuses in a child forked after this process ran backward on fake tensors: the worker
+    is forked before the search's own first probe, and says at once whether it can)."""
+    if not can_fork():
+        return None
+    worker = _Worker(peak_of)
+    if worker.ready:
+        return worker
+    worker.close()
+    return None
 
 
 class _Worker:
