@@ -186,10 +186,8 @@ def peak_profile(sim: Simulation, gpu: CudaDevice | None = None) -> PeakProfile:
     """:func:`peak_bytes` and the memory curve of ``sim`` (see :class:`PeakProfile`)."""
     result = replay(sim.events, sim.steps, kernels.kernel_memory)
     curve = tuple(s.live_bytes for s in result.samples if s.event.phase is not Phase.SETUP)
-    if _is_cuda(sim):
-        peak = max(_device_peaks(sim, _gpu(sim, gpu)).allocated)
-    else:
-        peak = max(p.live_bytes for p in result.peaks)
+    # On CPU the peak is this replay's (no second one); on CUDA the allocator model's.
+    peak = peak_bytes(sim, gpu) if _is_cuda(sim) else max(p.live_bytes for p in result.peaks)
     return PeakProfile(peak, curve)
 
 

@@ -118,37 +118,31 @@ def fake_process_group(strategy: Strategy) -> Iterator[None]:
     """A fake process group of the strategy's world size for :func:`wrap` to use inside the block.
 
     Without a process group in this process, the default one is created (backend ``fake``, this
-    rank) and destroyed on exit. Inside a real distributed job (the callback under DDP) a fake group is
-    made without registering it -- registering (``new_group``) is a collective, which ranks that
-    estimate at different moments (a batch-size search on one rank only) would deadlock on. FSDP
-    needs a registered group for its device mesh: it is simulated only outside a job.
+    rank) and destroyed on exit. Inside a real distributed job (the callback) no group is made with
+    ``new_group``: that is a collective, which ranks that estimate at different moments (a batch-size
+    search on one rank only) would deadlock on. DDP gets a group no registry knows; FSDP, whose device
+    mesh looks its group up, one entered into the registries by hand for the time of the block.
     """
     dist = _dist()
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if not dist.is_initialized():
-        dist.init_process_group("fake", store=FakeStore(), rank=strategy.rank, world_size=strategy.world_size)
-        token = _group.set(dist.group.WORLD)
+    with contextlib.ExitStack() as stack:
+        if not dist.is_initialized():
+            dist.init_process_group(
+                "fake", store=FakeStore(), rank=strategy.rank, world_size=strategy.world_size
+            )
+            stack.callback(dist.destroy_process_group)
+            group = dist.group.WORLD
+        elif isinstance(strategy, FSDP):
+            group = stack.enter_context(_registered_group(strategy, FakeStore()))
+        else:
+            group = _unregistered_group(strategy.rank, strategy.world_size, FakeStore())
+        token = _group.set(group)
         try:
             yield
         finally:
             _group.reset(token)
-            dist.destroy_process_group()
-        return
-    if isinstance(strategy, FSDP):
-        with _registered_group(strategy, FakeStore()) as group:
-            token = _group.set(group)
-            try:
-                yield
-            finally:
-                _group.reset(token)
-        return
-    token = _group.set(_unregistered_group(strategy.rank, strategy.world_size, FakeStore()))
-    try:
-        yield
-    finally:
-        _group.reset(token)
 
 
 @contextlib.contextmanager
@@ -320,11 +314,14 @@ def _fsdp(model: nn.Module, strategy: FSDP, group: Any, on_buffers: BufferListen
             param_dtype=strategy.param_dtype, reduce_dtype=strategy.reduce_dtype
         ),
     }
-    for unit in fsdp_units(model, strategy.units):
+    units = [*fsdp_units(model, strategy.units), model]
+    for unit in units:
         fully_shard(unit, **options)
-    fully_shard(model, **options)
     if on_buffers is not None:
-        model.register_forward_hook(lambda *_: on_buffers(unsharded_buffers(model)), always_call=True)
+        # Each unit tags its own gathered weights when its forward ends -- also where forward is not
+        # called on the root (Lightning calls training_step).
+        for unit in units:
+            unit.register_forward_hook(lambda m, *_: on_buffers(unsharded_buffers(m)), always_call=True)
     return model
 
 
@@ -418,13 +415,15 @@ def fsdp_units(model: nn.Module, units: tuple[str | type[nn.Module], ...] | None
     return ordered
 
 
-def unsharded_buffers(model: nn.Module) -> list[Tensor]:
-    """The all-gather outputs FSDP keeps per parameter (the unsharded weights, freed by resizing their
-    storage to 0 between uses). FSDP2 internals, read defensively: none found means no tags."""
-    found: list[Tensor] = []
-    for m in model.modules():
-        get_state = getattr(m, "_get_fsdp_state", None)
-        group = getattr(get_state(), "_fsdp_param_group", None) if get_state is not None else None
-        for fsdp_param in getattr(group, "fsdp_params", ()):
-            found.extend(t for t in getattr(fsdp_param, "all_gather_outputs", ()) if isinstance(t, Tensor))
-    return found
+def unsharded_buffers(unit: nn.Module) -> list[Tensor]:
+    """The all-gather outputs FSDP keeps per parameter of one unit (its unsharded weights, freed by
+    resizing their storage to 0 between uses). FSDP2 internals, read defensively: none found means no
+    tags."""
+    get_state = getattr(unit, "_get_fsdp_state", None)
+    group = getattr(get_state(), "_fsdp_param_group", None) if get_state is not None else None
+    return [
+        t
+        for fsdp_param in getattr(group, "fsdp_params", ())
+        for t in getattr(fsdp_param, "all_gather_outputs", ())
+        if isinstance(t, Tensor)
+    ]

@@ -166,7 +166,8 @@ def _forget_composable_state(before: dict[nn.Module, Any] | None) -> None:
 
 
 def _is_sharded(t: Tensor) -> bool:
-    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
+    """A DTensor: the memory is its local shard's."""
+    return local_tensor(t) is not t
 
 
 def local_tensor(t: Tensor) -> Tensor:
