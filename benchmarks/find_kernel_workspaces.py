@@ -1,4 +1,4 @@
-"""Find the memory that real CPU kernels allocate beyond what their fake (meta) kernels report.
+"""Find the memory that real CPU or CUDA kernels allocate beyond what their fake (meta) kernels report.
 
 Runs real training steps under the CPU profiler (``profile_memory=True``) with a recording
 ``TorchDispatchMode`` that wraps each dispatched aten op -- the same ops, in the same order, that a
@@ -16,10 +16,19 @@ whose window holds it, and per op call the script reports:
 Which op holds each step's peak is printed too. ``--json PATH`` writes every op call (arguments as
 metadata) for offline analysis.
 
+``--device cuda`` (on a machine with a GPU) does the same for CUDA kernels: the profiler records the
+caching allocator's block allocations (512 B-rounded, as ``max_memory_allocated`` counts them), so
+cuDNN/cuBLAS workspaces, the cuBLAS handle workspace (an allocation that survives its op), cuDNN
+batch-norm and RNN reserve spaces (real outputs bigger than the fake ones: ``extra``) all show up per
+op. Each step's peak as rebuilt from the events is printed next to ``torch.cuda.max_memory_allocated``
+(an independent check of the reconstruction), and the JSON's ``meta`` carries the GPU, its capability
+and the cuDNN version.
+
 Usage::
 
     python benchmarks/find_kernel_workspaces.py resnet18 --batch-size 8 --optimizer adam --precision 32-true
     python benchmarks/find_kernel_workspaces.py lstm --batch-size 16 --optimizer sgd --all
+    python benchmarks/find_kernel_workspaces.py resnet50 --device cuda --json resnet50_cuda.json
 
 Model names: any torchvision classification model (built with ``weights=None``, input 3x224x224,
 cross-entropy against random targets), ``gpt`` (tests/models.py TinyGPT) or ``lstm``
@@ -176,7 +185,7 @@ class PhaseListener:
 
 
 def build_case(
-    name: str, batch_size: int, precision: str, optimizer: str
+    name: str, batch_size: int, precision: str, optimizer: str, device: str = "cpu"
 ) -> tuple[nn.Module, Any, StepConfig]:
     """Model, batch and step config of a named case (model trained in place by the caller)."""
     torch.manual_seed(0)
@@ -204,6 +213,8 @@ def build_case(
         dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}[precision]
         model = model.to(dtype)
         batch = tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
+    model = model.to(device)
+    batch = tuple(t.to(device) for t in batch)
     factories: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
         "sgd": lambda ps: torch.optim.SGD(ps, lr=0.01, momentum=0.9),
         "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3),
@@ -215,10 +226,19 @@ def build_case(
     return model, batch, config
 
 
-def resident(model: nn.Module, batch: Any) -> int:
+def resident(model: nn.Module, batch: Any, device: str) -> int:
+    """Bytes the allocator holds before the profiled steps (CUDA: its own count, blocks included)."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
     from lightning_memest.measure import iter_tensors, resident_bytes
 
     return resident_bytes([*model.parameters(), *model.buffers(), *iter_tensors(batch)])
+
+
+def _device_type(extra_fields: Any) -> str:
+    device = extra_fields.device
+    return device if isinstance(device, str) else str(device.type)
 
 
 # ------------------------------------------------------------------------------------------- analysis
@@ -243,8 +263,8 @@ def _inner_op(node: Any) -> str:
     return "?"
 
 
-def analyse(calls: list[Call], prof: profile, steps: int) -> list[tuple[int, int, int]]:
-    """Fill in each call's memory numbers.
+def analyse(calls: list[Call], prof: profile, steps: int, device: str = "cpu") -> list[tuple[int, int, int]]:
+    """Fill in each call's memory numbers, from the allocation events of ``device``'s allocator.
 
     Returns per step: (peak above the baseline, the op call holding it, bytes held before that op).
     """
@@ -259,8 +279,10 @@ def analyse(calls: list[Call], prof: profile, steps: int) -> list[tuple[int, int
             steps_w[int(n.name[len(STEP_LABEL) :])] = (n.start_time_ns, n.end_time_ns)
         elif n.name == "[memory]":
             ef = n.extra_fields
-            if str(ef.device) == "cpu" or ef.device.type == "cpu":
+            if _device_type(ef) == device:
                 allocs.append((n.start_time_ns, ef.alloc_size, ef.ptr, n))
+    if not allocs:
+        sys.exit(f"find_kernel_workspaces: the profile holds no {device} allocation events")
     allocs.sort(key=lambda a: a[0])
     for c in calls:
         c.start, c.end = windows[c.k]
@@ -376,20 +398,48 @@ def _shapes(tree: Any) -> str:
 
 
 def run(
-    name: str, batch_size: int, optimizer: str, precision: str, steps: int
-) -> tuple[list[Call], list[Any], int]:
-    model, batch, config = build_case(name, batch_size, precision, optimizer)
-    base = resident(model, batch)
+    name: str, batch_size: int, optimizer: str, precision: str, steps: int, device: str = "cpu"
+) -> tuple[list[Call], list[Any], int, list[int] | None]:
+    """The op calls, each step's (peak, op, held before it), the resident bytes, and on CUDA each
+    step's ``max_memory_allocated`` (the allocator's own count, to check the events against)."""
+    model, batch, config = build_case(name, batch_size, precision, optimizer, device)
+    base = resident(model, batch, device)
     recorder = Recorder()
     runner = StepRunner(model, config, listener=PhaseListener(recorder))
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    cuda_peaks: list[int] | None = [] if device == "cuda" else None
+    # CUDA allocations are recorded with the CPU activity alone in recent torch; CUDA's activity is
+    # added so that older profilers (which needed it) record them too.
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities, profile_memory=True) as prof:
         for i in range(steps):
+            if cuda_peaks is not None:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
             with record_function(f"{STEP_LABEL}{i}"), recorder:
                 loss = runner.run(batch)
             del loss
-    peaks = analyse(recorder.calls, prof, steps)
+            if cuda_peaks is not None:
+                torch.cuda.synchronize()
+                cuda_peaks.append(torch.cuda.max_memory_allocated())
+    peaks = analyse(recorder.calls, prof, steps, device)
     replay_fake(recorder.calls)
-    return recorder.calls, peaks, base
+    return recorder.calls, peaks, base, cuda_peaks
+
+
+def device_meta(device: str) -> dict[str, Any]:
+    """What decides the kernels' choices: torch, and on CUDA the GPU, its capability and cuDNN."""
+    meta: dict[str, Any] = {"device": device, "torch": torch.__version__}
+    if device == "cuda":
+        meta |= {
+            "gpu": torch.cuda.get_device_name(),
+            "capability": list(torch.cuda.get_device_capability()),
+            "cudnn": torch.backends.cudnn.version(),
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "cuda": torch.version.cuda,
+        }
+    else:
+        meta["threads"] = torch.get_num_threads()
+    return meta
 
 
 def _jsonable(x: Any) -> Any:
@@ -419,14 +469,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--show", type=int, nargs="*", default=[], help="print the memory events of these op calls"
     )
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = p.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    calls, peaks, base = run(a.model, a.batch_size, a.optimizer, a.precision, a.steps)
-    print(f"# {a.model} batch {a.batch_size} {a.optimizer} {a.precision}: resident before {base:,} B")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    calls, peaks, base, cuda_peaks = run(a.model, a.batch_size, a.optimizer, a.precision, a.steps, a.device)
+    print(
+        f"# {a.model} batch {a.batch_size} {a.optimizer} {a.precision} on {a.device}: "
+        f"resident before {base:,} B"
+    )
     for s, (peak, k, before) in enumerate(peaks):
         c = calls[k] if k >= 0 else None
         where = f"in op {k} {c.op} ({c.phase}), held before it {base + before:,}" if c else "outside ops"
-        print(f"step {s}: peak {base + peak:,} B {where}")
+        check = f" (max_memory_allocated {cuda_peaks[s]:,})" if cuda_peaks is not None else ""
+        print(f"step {s}: peak {base + peak:,} B{check} {where}")
     print(
         f"{'step':>4} {'k':>5} {'phase':9} {'op':45} {'transient':>11} {'aft':3} {'excess':>11} "
         f"{'out_real':>11} {'out_fake':>11} {'peak?':5} inner / shapes"
@@ -482,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             for c in calls
         ]
-        meta = {
+        meta = device_meta(a.device) | {
             "model": a.model,
             "batch_size": a.batch_size,
             "optimizer": a.optimizer,
@@ -490,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
             "resident": base,
             "peaks": [base + p for p, _, _ in peaks],
             "peak_ops": [k for _, k, _ in peaks],
+            "max_memory_allocated": cuda_peaks,
         }
         a.json.write_text(json.dumps({"meta": meta, "calls": rows}))
     return 0
