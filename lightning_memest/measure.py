@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -212,7 +213,7 @@ def measure_step(
         raise ValueError(f"measure_step measures CPU or CUDA models; this one is on {device}")
     baseline = resident_bytes([*(module_tensors(built) if built is not None else ()), *iter_tensors(batch)])
     seconds: list[float] = []
-    with _quiet_gc(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_gc(), _CpuMemoryProfile() as prof:
         # Built in the profile: what the constructors keep (optimizer state some optimizers create
         # there, DDP's buckets, FSDP's shards) is in the running sum when the first step starts.
         runner = StepRunner(built if built is not None else model(), config)
@@ -223,7 +224,7 @@ def measure_step(
             seconds.append(time.perf_counter() - t0)
             # The loss is dropped between steps: its free falls in no step's window.
             del loss
-    peaks = cpu_step_peaks(prof.profiler.kineto_results.events(), steps, baseline)
+    peaks = cpu_step_peaks(prof.allocator_events(), steps, baseline)
     return Measurement(peaks, None, _mean_seconds(seconds), "cpu")
 
 
@@ -256,6 +257,28 @@ def _measure_cuda(runner: StepRunner, batch: Any, steps: int, device: torch.devi
 def _mean_seconds(seconds: list[float]) -> float:
     timed = seconds[1:] if len(seconds) > 1 else seconds
     return sum(timed) / len(timed)
+
+
+class _CpuMemoryProfile(profile):
+    """The CPU allocator's events, the ground truth on CPU."""
+
+    def __init__(self) -> None:
+        super().__init__(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+    def __enter__(self) -> _CpuMemoryProfile:
+        # torch 2.11's profiler warns once per process, when a profile starts, that it "clears events
+        # at the end of each cycle": true and irrelevant here (one cycle per measurement), and it
+        # would land in the middle of a CLI's or a fit's output.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
+            super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def allocator_events(self) -> list[Any]:
+        """Every event of the finished profile, the ``[memory]`` ones among them (kineto's list;
+        ``events()`` of the profile itself holds only a few dozen memory events)."""
+        assert self.profiler is not None and self.profiler.kineto_results is not None
+        return list(self.profiler.kineto_results.events())
 
 
 @contextmanager
@@ -304,7 +327,7 @@ class StepProbe:
         self.device = device
         self._baselines: list[int] = []
         self._cuda_peaks: list[tuple[int, int | None]] = []
-        self._profiler: profile | None = None
+        self._profiler: _CpuMemoryProfile | None = None
         self._window: record_function | None = None
         self._gc: contextlib.AbstractContextManager[None] | None = None
 
@@ -316,8 +339,8 @@ class StepProbe:
         if self._profiler is None:
             self._gc = _quiet_gc()
             self._gc.__enter__()
-            self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-            self._profiler.__enter__()  # type: ignore[no-untyped-call]
+            self._profiler = _CpuMemoryProfile()
+            self._profiler.__enter__()
         self._baselines.append(resident_bytes(resident))
         self._window = record_function(f"{STEP_LABEL}{len(self._baselines) - 1}")
         self._window.__enter__()  # type: ignore[no-untyped-call]
@@ -351,7 +374,6 @@ class StepProbe:
             return []
         profiler.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         self.close()
-        events: Any = profiler.profiler.kineto_results.events()  # type: ignore[union-attr]
         steps = len(self._baselines)
-        rises = cpu_step_peaks(events, steps, baseline=0, carry=False)
+        rises = cpu_step_peaks(profiler.allocator_events(), steps, baseline=0, carry=False)
         return [(base + rise, None) for base, rise in zip(self._baselines, rises, strict=True)]

@@ -572,14 +572,24 @@ def _convolution_backward(call: OpCall) -> int:
 def _sdpa_cpu(call: OpCall) -> int:
     # torch's sdpa_flop_count: Q K^T and P V in full (also when is_causal; see the module docstring).
     q, k, v = (torch.Size(_shape(call.arg(n))) for n in ("query", "key", "value"))
-    return int(_torch_fc.sdpa_flop_count(q, k, v))  # type: ignore[no-untyped-call]
+    return int(_torch_fc.sdpa_flop_count(q, *_query_heads(q, k, v)))  # type: ignore[no-untyped-call]
 
 
 @register_flop_formula(aten._scaled_dot_product_flash_attention_for_cpu_backward)
 def _sdpa_cpu_backward(call: OpCall) -> int:
     # torch's sdpa_backward_flop_count: the scores recomputed, then grads of P V and Q K^T (5 products).
     go, q, k, v = (torch.Size(_shape(call.arg(n))) for n in ("grad_out", "query", "key", "value"))
+    k, v = _query_heads(q, k, v)
     return int(_torch_fc.sdpa_backward_flop_count(go, q, k, v))  # type: ignore[no-untyped-call]
+
+
+def _query_heads(q: torch.Size, k: torch.Size, v: torch.Size) -> tuple[torch.Size, torch.Size]:
+    # Grouped-query attention: each query head attends its group's key/value head, so the products
+    # are those of as many key/value heads as query heads (torch < 2.14's formulas refuse the shapes).
+    heads = q[-3] if len(q) >= 3 else None
+    if heads is None or k[-3] == heads:
+        return k, v
+    return torch.Size((*k[:-3], heads, *k[-2:])), torch.Size((*v[:-3], heads, *v[-2:]))
 
 
 @register_flop_formula(
