@@ -32,7 +32,10 @@ Usage::
 
 Model names: any torchvision classification model (built with ``weights=None``, input 3x224x224,
 cross-entropy against random targets), ``gpt`` (tests/models.py TinyGPT) or ``lstm``
-(tests/models.py LSTMLanguageModel), both on sequences of 128 tokens.
+(tests/models.py LSTMLanguageModel), both on sequences of 128 tokens, or any ``package.module:name``
+as ``memest`` takes it, with ``--input-shape`` (cross-entropy over the output's last dimension)::
+
+    python benchmarks/find_kernel_workspaces.py mymodels:Conv3dNet --input-shape 3,8,32,32 --batch-size 4
 """
 
 from __future__ import annotations
@@ -185,12 +188,29 @@ class PhaseListener:
 
 
 def build_case(
-    name: str, batch_size: int, precision: str, optimizer: str, device: str = "cpu"
+    name: str,
+    batch_size: int,
+    precision: str,
+    optimizer: str,
+    device: str = "cpu",
+    input_shape: tuple[int, ...] | None = None,
 ) -> tuple[nn.Module, Any, StepConfig]:
     """Model, batch and step config of a named case (model trained in place by the caller)."""
     torch.manual_seed(0)
     loss_fn: Callable[[nn.Module, Any], Tensor]
-    if name == "gpt":
+    if ":" in name:
+        from lightning_memest.models import InputSpec
+        from lightning_memest.models import build_case as build_spec
+
+        sys.path.insert(0, str(Path.cwd()))  # as memest does: the current directory is importable
+        case = build_spec(
+            name,
+            InputSpec(batch_size=batch_size, shape=input_shape or (3, 224, 224)),
+            optimizer=optimizer,
+            precision=precision,
+        )
+        model, batch, loss_fn = case.model, case.batch, case.config.loss_fn
+    elif name == "gpt":
         model: nn.Module = TinyGPT()
         batch: Any = lm_batch(batch_size)
         loss_fn = lm_loss
@@ -398,11 +418,17 @@ def _shapes(tree: Any) -> str:
 
 
 def run(
-    name: str, batch_size: int, optimizer: str, precision: str, steps: int, device: str = "cpu"
+    name: str,
+    batch_size: int,
+    optimizer: str,
+    precision: str,
+    steps: int,
+    device: str = "cpu",
+    input_shape: tuple[int, ...] | None = None,
 ) -> tuple[list[Call], list[Any], int, list[int] | None]:
     """The op calls, each step's (peak, op, held before it), the resident bytes, and on CUDA each
     step's ``max_memory_allocated`` (the allocator's own count, to check the events against)."""
-    model, batch, config = build_case(name, batch_size, precision, optimizer, device)
+    model, batch, config = build_case(name, batch_size, precision, optimizer, device, input_shape)
     base = resident(model, batch, device)
     recorder = Recorder()
     runner = StepRunner(model, config, listener=PhaseListener(recorder))
@@ -470,10 +496,16 @@ def main(argv: list[str] | None = None) -> int:
         "--show", type=int, nargs="*", default=[], help="print the memory events of these op calls"
     )
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--input-shape", help="C,H,W... of a package.module:name model's float input (default 3,224,224)"
+    )
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
-    calls, peaks, base, cuda_peaks = run(a.model, a.batch_size, a.optimizer, a.precision, a.steps, a.device)
+    shape = tuple(int(d) for d in a.input_shape.split(",")) if a.input_shape else None
+    calls, peaks, base, cuda_peaks = run(
+        a.model, a.batch_size, a.optimizer, a.precision, a.steps, a.device, shape
+    )
     print(
         f"# {a.model} batch {a.batch_size} {a.optimizer} {a.precision} on {a.device}: "
         f"resident before {base:,} B"
