@@ -415,11 +415,14 @@ def _print_estimate(est: StepEstimate, out: TextIO) -> None:
         for m in sorted(leaves, key=_saved, reverse=True)[:TOP_MODULES]:
             print(f"    {m.path + ' (' + m.type_name + ')':<40}{format_bytes(m.saved_bytes):>12}", file=out)
     if est.data_dependent:
-        print("\n  the step read tensor values, which the simulation assumed:", file=out)
+        # Fake tensors have no values: a branch on one takes the path the assumed value leads to.
+        print(
+            "\n  the step read tensor values, which the simulation assumed (code that branches on them"
+            "\n  followed the assumed value; memory of the other branch is not in the estimate):",
+            file=out,
+        )
         for read in est.data_dependent:
-            print(
-                f"    {read.op} in {read.module or '(root)'} x{read.count}: assumed {read.assumed}", file=out
-            )
+            print(f"    {read.describe()}", file=out)
     if est.flops is not None:
         f = est.flops
         print("\n  FLOPs of one step (2 x MACs of matmuls, convolutions, attention):", file=out)

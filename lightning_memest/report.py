@@ -113,6 +113,11 @@ class DataDependentRead:
     """What the simulation used instead of the real value (see ``engine.data_dependent``)."""
     count: int
 
+    def describe(self) -> str:
+        """The read in a user's words: ``.item()``-style scalar reads are named as such."""
+        what = "a scalar read (.item(), bool(), int())" if "_local_scalar_dense" in self.op else self.op
+        return f"{what} in {self.module or '(root)'} x{self.count}: assumed {self.assumed}"
+
 
 @dataclass(frozen=True)
 class StepEstimate:
