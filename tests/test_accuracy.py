@@ -11,6 +11,7 @@ import pytest
 from lightning_memest.models import InputSpec, build_case, estimate_case, measure_case
 
 IMAGE = (3, 224, 224)
+CLIP = (3, 4, 56, 56)  # 4 frames of 56x56
 
 # (model spec, batch size, optimizer, precision); language models take 128 tokens of a 1000-word vocabulary.
 CASES = [
@@ -29,13 +30,17 @@ CASES = [
     ("tests.models:LSTMLanguageModel", 4, "sgd", "bf16-mixed"),
     ("torchvision.models:resnet18", 4, "adamw", "bf16-true"),
     ("tests.models:TinyGPT", 4, "adamw", "bf16-true"),
+    # A video model: 3-d convolutions, whose last stages (depth 1-2 under 3-deep kernels) run as GEMMs.
+    ("torchvision.models.video:r3d_18", 2, "sgd", "32-true"),
 ]
 
 
 def case_input(spec: str, batch_size: int) -> InputSpec:
-    """The input of a case: 3x224x224 images, or 128 tokens of a 1000-word vocabulary."""
+    """The input of a case: 3x224x224 images, 3x4x56x56 clips, or 128 tokens of a 1000-word vocabulary."""
     if spec.startswith("tests.models:"):
         return InputSpec(batch_size=batch_size, tokens=128, vocab=1000)
+    if spec.startswith("torchvision.models.video:"):
+        return InputSpec(batch_size=batch_size, shape=CLIP)
     return InputSpec(batch_size=batch_size, shape=IMAGE)
 
 

@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -212,6 +213,8 @@ def _convolution(call: OpCall) -> KernelMemory | None:
     x, w = call.arg("input"), call.arg("weight")
     stride, padding, dilation = call.arg("stride"), call.arg("padding"), call.arg("dilation")
     transposed, groups = call.arg("transposed", False), int(call.arg("groups", 1))
+    if _is_mkldnn_conv3d(call, x, w, transposed, groups):
+        return _convolution_3d(x, w, call.outputs[0])
     if not _is_mkldnn_conv(call, x, w, transposed):
         return None
     n, c, h, wd = x.shape
@@ -243,6 +246,8 @@ def _convolution_backward(call: OpCall) -> KernelMemory | None:
     go, x, w = call.arg("grad_output"), call.arg("input"), call.arg("weight")
     transposed, groups = call.arg("transposed", False), int(call.arg("groups", 1))
     mask, stride = call.arg("output_mask", (True, True, True)), call.arg("stride")
+    if _is_mkldnn_conv3d(call, x, w, transposed, groups) and isinstance(go, TensorMeta):
+        return _convolution_backward_3d(go, x, w, mask, _ints(stride, 3))
     if not _is_mkldnn_conv(call, x, w, transposed) or not isinstance(go, TensorMeta):
         return None
     n, c, h, wd = x.shape
@@ -297,6 +302,84 @@ def _bf16_weights_scratch(
     if split_mb and nthr > 1:
         return nthr * per_copy + 8580
     return per_copy + nthr * 8192 + 388
+
+
+# 3-d convolutions (video models: torchvision's r3d_18, mc3_18, r2plus1d_18), float32 NCDHW, measured on
+# r3d_18 (batch 2, 3x8x112x112, every conv shape) and micro cases (batch 1-4, 1-3 threads, maps 1x7x7 to
+# 8x56x56) with benchmarks/find_kernel_workspaces.py. oneDNN runs them as it runs 2-d ones (blocked
+# nCdhw16c reorders), except where the input is shallower than the kernel (r3d_18's last stages: depth
+# 1-2 under a 3-deep kernel), where it falls back to an im2col GEMM whose backward-weights scratch is
+# the step's peak (232 MB for one 512->512 layer at batch 2).
+
+
+def _is_mkldnn_conv3d(call: OpCall, x: Any, w: Any, transposed: Any, groups: int) -> bool:
+    return (
+        call.device_type == "cpu"
+        and isinstance(x, TensorMeta)
+        and isinstance(w, TensorMeta)
+        and len(x.shape) == 5
+        and len(w.shape) == 5
+        and not transposed
+        and groups == 1
+        and x.dtype == torch.float32
+        and x.is_contiguous()
+    )
+
+
+def _convolution_3d(x: TensorMeta, w: TensorMeta, out: TensorMeta | None) -> KernelMemory | None:
+    # The 2-d NCHW scheme with a depth: blocked source (C >= 16), blocked weights, a blocked result y
+    # reordered into the output. Exact on all 11 conv shapes of r3d_18 (no rtus scratch at stride 2).
+    if out is None:
+        return None
+    n, c = x.shape[:2]
+    oc = w.shape[0]
+    s = x.itemsize
+    blocked = c >= 16
+    src_r = n * _rnd(c, 16) * math.prod(x.shape[2:]) * s if blocked else 0
+    w_r = _rnd(oc, 16) * (_rnd(c, 16) if blocked else c) * math.prod(w.shape[2:]) * s
+    y = n * _rnd(oc, 16) * math.prod(out.shape[2:]) * s
+    return KernelMemory(max(src_r + w_r + y - out.bytes, y))
+
+
+def _convolution_backward_3d(
+    go: TensorMeta, x: TensorMeta, w: TensorMeta, mask: Sequence[bool], stride: tuple[int, ...]
+) -> KernelMemory | None:
+    n, c, depth = x.shape[:3]
+    oc, ic, kd, kh, kw = w.shape
+    oh, ow = go.shape[3], go.shape[4]
+    s = x.itemsize
+    if depth < kd:
+        # im2col GEMM backward-weights: per thread 4 weight-sized float buffers and one column buffer of
+        # one output depth slice (ic * kd * kh * kw x oh * ow), + 256 B; at batch 1 only the columns,
+        # one per thread up to the output depth. Fitted, exact on 10 shapes (1-3 threads); the
+        # backward-data phase stays below it on every measured shape.
+        if not mask[1]:
+            return None
+        col = ic * kd * kh * kw * oh * ow * s
+        nthr = _threads()
+        scratch = nthr * (4 * w.bytes + col) + 256 if n >= 2 else min(nthr, go.shape[2]) * col
+        return KernelMemory(scratch)
+    blocked = c >= 16
+    spatial = math.prod(x.shape[2:])
+    go_r = n * _rnd(oc, 16) * math.prod(go.shape[2:]) * s
+    src_r = n * _rnd(c, 16) * spatial * s if blocked else 0
+    w_b = _rnd(oc, 16) * (_rnd(ic, 16) if blocked else ic) * kd * kh * kw * s
+    gi = n * c * spatial * s if mask[0] else 0
+    gw = w.bytes if mask[1] else 0
+    gb = oc * s if mask[2] else 0
+    held = [0]
+    if mask[0]:
+        dsrc = n * _rnd(c, 16) * spatial * s
+        held += [go_r + w_b + dsrc, dsrc + gi]
+    if mask[1]:
+        held += [gi + go_r + src_r + w_b, gi + w_b + gw]
+        if blocked and mask[0] and min(stride) > 1:
+            # Strided (downsampling) convolutions hold three more grad_output-sized buffers in the
+            # backward-weights phase: fitted, exact on r3d_18's four such shapes (1x1x1 and 3x3x3).
+            held.append(gi + go_r + src_r + 3 * go.bytes)
+    # Exact on 2 of r3d_18's 4 other shapes; the stride-1 64->64 layer and the stem are w + 8.6 KB
+    # under (the per-thread diff-weights reduction, as in 2-d).
+    return KernelMemory(max(0, max(held) - (gi + gw + gb)))
 
 
 def _cl_contiguous(t: TensorMeta) -> bool:
