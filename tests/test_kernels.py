@@ -539,3 +539,46 @@ def test_convolution_3d_backward_strided_holds_three_grad_outputs_more(
         )
         is None
     )
+
+
+def conv_backward(
+    go: TensorMeta, x: TensorMeta, w: TensorMeta, stride: int, mask: tuple[bool, ...] = (False, True, True)
+) -> OpCall:
+    return call(
+        aten.convolution_backward.default,
+        go,
+        x,
+        w,
+        [w.shape[0]],
+        [stride] * 2,
+        [0, 0],
+        [1, 1],
+        False,
+        [0, 0],
+        1,
+        list(mask),
+    )
+
+
+def test_convolution_backward_large_kernels_run_as_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ViT patch embeddings (3 -> 768, kernel = stride): oneDNN's im2col GEMM backward-weights, per thread
+    # 4 weight-sized buffers + a column buffer (3*32*32 x 7*7 floats), + 256 -- and the grad_output the
+    # permute after the conv leaves non-contiguous is copied. vit_b_32 at batch 2, 2 threads: measured
+    # 77,003,008 (its step-2 peak; -3.9 % before this model).
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    w = meta(768, 3, 32, 32)
+    go = meta(2, 768, 7, 7, stride=(768 * 49, 1, 7 * 768, 768))  # the transpose of a contiguous (2, 49, 768)
+    col = 3 * 32 * 32 * 49 * 4
+    assert ws(conv_backward(go, meta(2, 3, 224, 224), w, 32)) == go.bytes + 2 * (4 * w.bytes + col) + 256
+    assert ws(conv_backward(go, meta(2, 3, 224, 224), w, 32)) == 77_003_008
+    # Above 256 output positions per thread the threads share one set (16x16 stride 8: 22x22 -> a set
+    # each, measured 21,848,320; 23x23 -> one, measured 11,062,528).
+    w16 = meta(768, 3, 16, 16)
+    assert ws(conv_backward(meta(2, 768, 22, 22), meta(2, 3, 184, 184), w16, 8)) == 21_848_320
+    assert ws(conv_backward(meta(2, 768, 23, 23), meta(2, 3, 192, 192), w16, 8)) == 11_062_528
+    # kernel 14 still runs the blocked kernels: not this formula (measured 1,806,336 = the weights).
+    w14 = meta(768, 3, 14, 14)
+    assert (
+        ws(conv_backward(meta(2, 768, 16, 16), meta(2, 3, 224, 224), w14, 14))
+        != 2 * (4 * w14.bytes + 3 * 14 * 14 * 256 * 4) + 256
+    )
