@@ -482,6 +482,7 @@ def compare_row(
         "error_percent": {k: _error_percent(e, m) for k, e, m in zip(keys, estimated, measured, strict=True)},
         "estimate_seconds": round(est.estimate_seconds, 4),
         "step_seconds": round(step_seconds, 4),
+        "data_dependent": est.data_dependent_json(),
     }
 
 
@@ -522,6 +523,16 @@ def _compare(args: argparse.Namespace, out: TextIO) -> None:
                 f"{format_bytes(measured):>12}{err_text:>10}{seconds:>12}"
             )
             print(line.rstrip(), file=out)
+    for row in rows:
+        if row["data_dependent"] is not None:
+            # A branch on a value fake tensors lack followed the assumed value: the likeliest cause of
+            # a large error, so say it where the error is read.
+            reads = sum(r["count"] for r in row["data_dependent"])
+            print(
+                f"note: {row['model']} read tensor values {reads} time(s); fake tensors have none, so"
+                "\n      branches on them followed assumed values (memest estimate lists them)",
+                file=out,
+            )
 
 
 def _profile(args: argparse.Namespace, out: TextIO) -> None:

@@ -192,7 +192,15 @@ class StepEstimate:
                 "optimizer": self.flops.optimizer or 0,
             },
             "estimate_seconds": round(self.estimate_seconds, 4),
+            "data_dependent": self.data_dependent_json(),
         }
+
+    def data_dependent_json(self) -> list[dict[str, Any]] | None:
+        """The tensor values the step read and what was assumed for them; ``None`` when none."""
+        if self.data_dependent is None:
+            return None
+        reads = self.data_dependent
+        return [{"op": r.op, "module": r.module, "assumed": r.assumed, "count": r.count} for r in reads]
 
 
 def format_bytes(n: int | float) -> str:

@@ -70,3 +70,18 @@ def pretrained_by_default(weights: str | None = "DEFAULT") -> TinyMLP:
     if weights is not None:
         raise RuntimeError(f"would download {weights} weights")
     return TinyMLP()
+
+
+class BranchesOnValue(nn.Module):
+    """``(N, 16)`` -> ``(N, 10)``; runs its big middle layer only when the mean activation is positive
+    (always, for real data after a ReLU; never on fake tensors, which read as 0.0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.mid, self.out = nn.Linear(16, 512), nn.Linear(512, 512), nn.Linear(512, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.relu(self.inp(x))
+        if h.mean().item() > 0:
+            h = torch.relu(self.mid(h))
+        return self.out(h)  # type: ignore[no-any-return]

@@ -161,6 +161,7 @@ def test_estimate_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
         "flops",
         "estimate_seconds",
         "gpu_memory",
+        "data_dependent",
     }
     assert set(data["peak_bytes"]) == {"first_step", "steady_state"}
     assert all(type(v) is int and v > 0 for v in data["peak_bytes"].values())
@@ -170,6 +171,7 @@ def test_estimate_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(data["flops"]) == {"forward", "backward", "optimizer"}
     assert data["flops"]["forward"] > 0 and data["flops"]["backward"] > 0
     assert isinstance(data["estimate_seconds"], float)
+    assert data["data_dependent"] is None  # the step read no tensor values
 
 
 def test_measure_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
@@ -239,12 +241,29 @@ def test_compare_table_and_json(capsys: pytest.CaptureFixture[str]) -> None:
         "error_percent",
         "estimate_seconds",
         "step_seconds",
+        "data_dependent",
     }
+    assert row["data_dependent"] is None
     for key in ("first_step", "steady_state"):
         expected = (
             100 * (row["estimated_bytes"][key] - row["measured_bytes"][key]) / row["measured_bytes"][key]
         )
         assert row["error_percent"][key] == pytest.approx(expected, abs=1e-3)
+
+
+def test_compare_says_when_the_step_branched_on_a_value(capsys: pytest.CaptureFixture[str]) -> None:
+    # Fake tensors have no values: `if h.mean().item() > 0` takes the assumed (0.0) branch, skipping a
+    # layer the real step runs -- the estimate is far off, and compare must say why where it is read.
+    # (Once per simulated step: two.)
+    args = ["compare", "cli_models:BranchesOnValue", "--input-shape", "16", "--batch-size", "4"]
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    assert "note: cli_models:BranchesOnValue read tensor values 2 time(s)" in out
+    row = run_json(capsys, *args)[0]
+    assert row["data_dependent"] == [
+        {"op": "aten._local_scalar_dense.default", "module": "", "assumed": "0.0", "count": 2}
+    ]
+    assert row["error_percent"]["first_step"] < -10  # the skipped layer's memory is missing
 
 
 def _console_script() -> str | None:
