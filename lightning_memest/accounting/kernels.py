@@ -192,13 +192,13 @@ def _blocked_weight_bytes(w: TensorMeta, groups: int, blocked_src: bool, s: int)
     return _rnd(oc, 16) * (_rnd(icg, 16) if blocked_src else icg) * kh * kw * s
 
 
-def _is_mkldnn_conv(call: OpCall, x: Any, w: Any, transposed: Any) -> bool:
+def _is_mkldnn_conv(call: OpCall, x: Any, w: Any, transposed: Any, ndim: int = 4) -> bool:
     return (
         call.device_type == "cpu"
         and isinstance(x, TensorMeta)
         and isinstance(w, TensorMeta)
-        and len(x.shape) == 4
-        and len(w.shape) == 4
+        and len(x.shape) == ndim
+        and len(w.shape) == ndim
         and not transposed
         and x.dtype in _MKLDNN_DTYPES
     )
@@ -318,13 +318,9 @@ def _bf16_weights_scratch(
 
 
 def _is_mkldnn_conv3d(call: OpCall, x: Any, w: Any, transposed: Any, groups: int) -> bool:
+    # Measured: float32, contiguous NCDHW, ungrouped.
     return (
-        call.device_type == "cpu"
-        and isinstance(x, TensorMeta)
-        and isinstance(w, TensorMeta)
-        and len(x.shape) == 5
-        and len(w.shape) == 5
-        and not transposed
+        _is_mkldnn_conv(call, x, w, transposed, ndim=5)
         and groups == 1
         and x.dtype == torch.float32
         and x.is_contiguous()
