@@ -73,9 +73,12 @@ workspaces() {
     # batch-norm reserve, GEMMs under bf16 autocast.
     while read -r model batch optimizer precision; do
         echo "--- $model b$batch $optimizer $precision"
+        # The whole table goes to a file (piping into head would cut the script off before it writes
+        # its JSON); its head is shown here.
         timeout -k 5 45 "$PY" benchmarks/find_kernel_workspaces.py "$model" --device cuda \
             --batch-size "$batch" --optimizer "$optimizer" --precision "$precision" \
-            --json "$dir/${model}_${precision}.json" | head -40
+            --json "$dir/${model}_${precision}.json" >"$dir/${model}_${precision}.txt" 2>&1
+        head -40 "$dir/${model}_${precision}.txt"
     done <<'EOF'
 resnet50 4 sgd 32-true
 vit_b_16 4 adam 32-true
