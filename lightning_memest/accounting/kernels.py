@@ -280,9 +280,19 @@ def _convolution_backward(call: OpCall) -> KernelMemory | None:
         held += [go_r + w_b + dsrc, dsrc + gi]  # backward-data, then the reorder into grad_input
     if mask[1]:
         held += [gi + go_r + src_r + w_b, gi + w_b + gw]  # backward-weights, then into grad_weight
+        if s == 4 and groups == 1 and blocked and mask[0] and any(v > 1 for v in _ints(stride, 2)):
+            held.append(_strided_weights_phase(gi, go_r, src_r, x, go))
         if s == 2 and groups == 1 and blocked and kh * kw > 1:
             held.append(gi + go_r + src_r + gw + _bf16_weights_scratch(x, w, go, _ints(stride, 2)))
     return KernelMemory(go_copy + max(0, max(held) - (gi + gw + gb)))
+
+
+def _strided_weights_phase(gi: int, go_r: int, src_r: int, x: TensorMeta, go: TensorMeta) -> int:
+    # Downsampling (stride > 1) float32 convolutions, 2-d and 3-d, when grad_input is computed: the
+    # backward-weights phase holds input-minus-grad_output bytes more than grad_input, the blocked
+    # grad_output and the blocked source (fitted: exact on resnet18's and resnet50's five stride-2
+    # shapes where it dominates -- it was up to 3.2 MB under -- and r3d_18's four).
+    return gi + go_r + src_r + x.bytes - go.bytes
 
 
 def _bf16_weights_scratch(
@@ -371,9 +381,7 @@ def _convolution_backward_3d(
     if mask[1]:
         held += [gi + go_r + src_r + w_b, gi + w_b + gw]
         if blocked and mask[0] and min(stride) > 1:
-            # Strided (downsampling) convolutions hold three more grad_output-sized buffers in the
-            # backward-weights phase: fitted, exact on r3d_18's four such shapes (1x1x1 and 3x3x3).
-            held.append(gi + go_r + src_r + 3 * go.bytes)
+            held.append(_strided_weights_phase(gi, go_r, src_r, x, go))
     # Exact on 2 of r3d_18's 4 other shapes; the stride-1 64->64 layer and the stem are w + 8.6 KB
     # under (the per-thread diff-weights reduction, as in 2-d).
     return KernelMemory(max(0, max(held) - (gi + gw + gb)))
