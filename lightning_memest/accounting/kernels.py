@@ -183,13 +183,15 @@ def _conv_shapes(x: TensorMeta, w: TensorMeta, stride: Any, padding: Any, dilati
 
 
 def _blocked_weight_bytes(w: TensorMeta, groups: int, blocked_src: bool, s: int) -> int:
-    # oneDNN blocked weights (OIhw16i16o, Goihw16g, Ohwi16o): channel dims padded to 16 on AVX-512.
-    oc, icg, kh, kw = w.shape
+    # oneDNN blocked weights (OIhw16i16o, Goihw16g, Ohwi16o; OIdhw16i16o): channel dims padded to 16 on
+    # AVX-512.
+    oc, icg = w.shape[:2]
+    k = math.prod(w.shape[2:])
     if groups > 1 and icg == 1 and oc == groups:  # depthwise
-        return _rnd(oc, 16) * kh * kw * s
+        return _rnd(oc, 16) * k * s
     if groups > 1:
-        return groups * _rnd(oc // groups, 16) * _rnd(icg, 16) * kh * kw * s
-    return _rnd(oc, 16) * (_rnd(icg, 16) if blocked_src else icg) * kh * kw * s
+        return groups * _rnd(oc // groups, 16) * _rnd(icg, 16) * k * s
+    return _rnd(oc, 16) * (_rnd(icg, 16) if blocked_src else icg) * k * s
 
 
 def _is_mkldnn_conv(call: OpCall, x: Any, w: Any, transposed: Any, ndim: int = 4) -> bool:
@@ -268,31 +270,55 @@ def _convolution_backward(call: OpCall) -> KernelMemory | None:
         # Measured: one input-sized blocked buffer (mobilenet_v2, efficientnet_b0; exact at stride 1).
         return KernelMemory(go_copy + n * _rnd(c, 16) * h * wd * s)
     blocked = c >= 16 or groups > 1
-    go_r = n * _rnd(oc, 16) * oh * ow * s
-    src_r = n * _rnd(c, 16) * h * wd * s if blocked else 0
+    strided = s == 4 and groups == 1 and any(v > 1 for v in _ints(stride, 2))
+    bf16_scratch = (
+        _bf16_weights_scratch(x, w, go, _ints(stride, 2))
+        if mask[1] and s == 2 and groups == 1 and blocked and kh * kw > 1
+        else None
+    )
     w_b = _blocked_weight_bytes(w, groups, blocked, s)
-    gi = n * c * h * wd * s if mask[0] else 0
+    excess = _blocked_backward_excess(go, x, w, w_b, mask, blocked, strided, bf16_scratch)
+    return KernelMemory(go_copy + excess)
+
+
+def _blocked_backward_excess(
+    go: TensorMeta,
+    x: TensorMeta,
+    w: TensorMeta,
+    w_b: int,
+    mask: Sequence[bool],
+    blocked: bool,
+    strided: bool,
+    weights_scratch: int | None = None,
+) -> int:
+    """The most oneDNN's blocked (nC[d]hw16c) convolution backward holds beyond its outputs, 2-d and
+    3-d alike: grad_output, the weights (``w_b`` bytes blocked) and, when ``blocked``, the source are
+    reordered; backward-data writes a blocked diff_src reordered into grad_input, backward-weights a
+    blocked diff_weights reordered into grad_weight (with ``weights_scratch`` beside grad_weight when
+    given: the bfloat16 scratchpad)."""
+    n, c = x.shape[:2]
+    oc = w.shape[0]
+    s = x.itemsize
+    spatial = math.prod(x.shape[2:])
+    go_r = n * _rnd(oc, 16) * math.prod(go.shape[2:]) * s
+    src_r = n * _rnd(c, 16) * spatial * s if blocked else 0
+    gi = n * c * spatial * s if mask[0] else 0
     gw = w.bytes if mask[1] else 0
     gb = oc * s if mask[2] else 0
     held = [0]
     if mask[0]:
-        dsrc = n * _rnd(c, 16) * h * wd * s
+        dsrc = n * _rnd(c, 16) * spatial * s
         held += [go_r + w_b + dsrc, dsrc + gi]  # backward-data, then the reorder into grad_input
     if mask[1]:
         held += [gi + go_r + src_r + w_b, gi + w_b + gw]  # backward-weights, then into grad_weight
-        if s == 4 and groups == 1 and blocked and mask[0] and any(v > 1 for v in _ints(stride, 2)):
-            held.append(_strided_weights_phase(gi, go_r, src_r, x, go))
-        if s == 2 and groups == 1 and blocked and kh * kw > 1:
-            held.append(gi + go_r + src_r + gw + _bf16_weights_scratch(x, w, go, _ints(stride, 2)))
-    return KernelMemory(go_copy + max(0, max(held) - (gi + gw + gb)))
-
-
-def _strided_weights_phase(gi: int, go_r: int, src_r: int, x: TensorMeta, go: TensorMeta) -> int:
-    # Downsampling (stride > 1) float32 convolutions, 2-d and 3-d, when grad_input is computed: the
-    # backward-weights phase holds input-minus-grad_output bytes more than grad_input, the blocked
-    # grad_output and the blocked source (fitted: exact on resnet18's and resnet50's five stride-2
-    # shapes where it dominates -- it was up to 3.2 MB under -- and r3d_18's four).
-    return gi + go_r + src_r + x.bytes - go.bytes
+        if strided and blocked and mask[0]:
+            # Downsampling float32 convolutions computing grad_input hold input-minus-grad_output bytes
+            # more in the backward-weights phase (fitted: exact on resnet18's and resnet50's five
+            # stride-2 shapes where it dominates -- it was up to 3.2 MB under -- and r3d_18's four).
+            held.append(gi + go_r + src_r + x.bytes - go.bytes)
+        if weights_scratch is not None:
+            held.append(gi + go_r + src_r + gw + weights_scratch)
+    return max(0, max(held) - (gi + gw + gb))
 
 
 def _bf16_weights_scratch(
@@ -347,7 +373,7 @@ def _convolution_3d(x: TensorMeta, w: TensorMeta, out: TensorMeta | None) -> Ker
     s = x.itemsize
     blocked = c >= 16
     src_r = n * _rnd(c, 16) * math.prod(x.shape[2:]) * s if blocked else 0
-    w_r = _rnd(oc, 16) * (_rnd(c, 16) if blocked else c) * math.prod(w.shape[2:]) * s
+    w_r = _blocked_weight_bytes(w, 1, blocked, s)
     y = n * _rnd(oc, 16) * math.prod(out.shape[2:]) * s
     return KernelMemory(max(src_r + w_r + y - out.bytes, y))
 
@@ -356,7 +382,7 @@ def _convolution_backward_3d(
     go: TensorMeta, x: TensorMeta, w: TensorMeta, mask: Sequence[bool], stride: tuple[int, ...]
 ) -> KernelMemory | None:
     n, c, depth = x.shape[:3]
-    oc, ic, kd, kh, kw = w.shape
+    ic, kd, kh, kw = w.shape[1:]
     oh, ow = go.shape[3], go.shape[4]
     s = x.itemsize
     if depth < kd:
@@ -367,24 +393,10 @@ def _convolution_backward_3d(
         col = ic * kd * kh * kw * oh * ow * s
         return KernelMemory(_gemm_weights_scratch(n, w.bytes, col, math.prod(go.shape[2:]), go.shape[2]))
     blocked = c >= 16
-    spatial = math.prod(x.shape[2:])
-    go_r = n * _rnd(oc, 16) * math.prod(go.shape[2:]) * s
-    src_r = n * _rnd(c, 16) * spatial * s if blocked else 0
-    w_b = _rnd(oc, 16) * (_rnd(ic, 16) if blocked else ic) * kd * kh * kw * s
-    gi = n * c * spatial * s if mask[0] else 0
-    gw = w.bytes if mask[1] else 0
-    gb = oc * s if mask[2] else 0
-    held = [0]
-    if mask[0]:
-        dsrc = n * _rnd(c, 16) * spatial * s
-        held += [go_r + w_b + dsrc, dsrc + gi]
-    if mask[1]:
-        held += [gi + go_r + src_r + w_b, gi + w_b + gw]
-        if blocked and mask[0] and min(stride) > 1:
-            held.append(_strided_weights_phase(gi, go_r, src_r, x, go))
+    w_b = _blocked_weight_bytes(w, 1, blocked, s)
     # Exact on 2 of r3d_18's 4 other shapes; the stride-1 64->64 layer and the stem are w + 8.6 KB
     # under (the per-thread diff-weights reduction, as in 2-d).
-    return KernelMemory(max(0, max(held) - (gi + gw + gb)))
+    return KernelMemory(_blocked_backward_excess(go, x, w, w_b, mask, blocked, min(stride) > 1))
 
 
 def _gemm_weights_scratch(n: int, w_bytes: int, col: int, positions: int, out_depth: int | None) -> int:
