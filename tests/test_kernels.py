@@ -88,8 +88,18 @@ def test_bf16_addmm_float32_accumulator() -> None:
     assert ws(c) == 512 * 1024 * 4 + 128  # measured 2,097,280 (gpt bf16-true)
 
 
-def conv(x: TensorMeta, w: TensorMeta, stride: int = 1, pad: int = 0, groups: int = 1) -> OpCall:
-    return call(aten.convolution.default, x, w, None, [stride] * 2, [pad] * 2, [1, 1], False, [0, 0], groups)
+def conv(
+    x: TensorMeta,
+    w: TensorMeta,
+    stride: int = 1,
+    pad: int = 0,
+    groups: int = 1,
+    out: TensorMeta | None = None,
+) -> OpCall:
+    """A 2-d or 3-d convolution call (its rank from the input's); ``out``: its output, when given."""
+    d = len(x.shape) - 2
+    args = (x, w, None, [stride] * d, [pad] * d, [1] * d, False, [0] * d, groups)
+    return call(aten.convolution.default, *args, outputs=(out,) if out is not None else ())
 
 
 def test_convolution_forward_oneDNN_reorders(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,6 +157,10 @@ def test_convolution_backward() -> None:
     assert ws(c) == 4 * 64 * 112 * 112 * 4
 
 
+# r3d_18's and resnet's convolutions have no bias.
+NO_BIAS = (True, True, False)
+
+
 def convb(
     go: TensorMeta,
     x: TensorMeta,
@@ -156,17 +170,19 @@ def convb(
     groups: int = 1,
     mask: tuple[bool, bool, bool] = (True, True, True),
 ) -> OpCall:
+    """A 2-d or 3-d convolution backward call (its rank from the input's)."""
+    dims = len(x.shape) - 2
     return call(
         aten.convolution_backward.default,
         go,
         x,
         w,
         [w.shape[0]],
-        [stride, stride],
-        [padding, padding],
-        [1, 1],
+        [stride] * dims,
+        [padding] * dims,
+        [1] * dims,
         False,
-        [0, 0],
+        [0] * dims,
         groups,
         list(mask),
     )
@@ -430,54 +446,13 @@ def test_convolution_backward_bf16_channels_last_dense(monkeypatch: pytest.Monke
     assert ws(c) == w.bytes + 2 * w.bytes + 384 * 14 * 16 * 2 + 768 * 7 * 8 * 2 + 2 * 8192 + 388
 
 
-def conv3d(x: TensorMeta, w: TensorMeta, out: TensorMeta, stride: int = 1, pad: int = 1) -> OpCall:
-    return call(
-        aten.convolution.default,
-        x,
-        w,
-        None,
-        [stride] * 3,
-        [pad] * 3,
-        [1] * 3,
-        False,
-        [0] * 3,
-        1,
-        outputs=(out,),
-    )
-
-
-# r3d_18's convolutions have no bias: output_mask (True, True, False).
-def conv3d_backward(
-    go: TensorMeta,
-    x: TensorMeta,
-    w: TensorMeta,
-    stride: int = 1,
-    pad: int = 1,
-    mask: tuple[bool, ...] = (True, True, False),
-) -> OpCall:
-    return call(
-        aten.convolution_backward.default,
-        go,
-        x,
-        w,
-        [0],
-        [stride] * 3,
-        [pad] * 3,
-        [1] * 3,
-        False,
-        [0] * 3,
-        1,
-        list(mask),
-    )
-
-
 def test_convolution_3d_forward_follows_the_2d_scheme() -> None:
     # r3d_18, batch 2, 3x8x112x112 (measured with find_kernel_workspaces.py): blocked source + blocked
     # weights + a blocked result reordered into the output. 64->64 3x3x3 at 8x56x56: 13,287,424.
     x, out = meta(2, 64, 8, 56, 56), meta(2, 64, 8, 56, 56)
-    assert ws(conv3d(x, meta(64, 64, 3, 3, 3), out)) == 2 * 64 * 8 * 56 * 56 * 4 + 64 * 64 * 27 * 4
+    assert ws(conv(x, meta(64, 64, 3, 3, 3), 1, 1, out=out)) == 2 * 64 * 8 * 56 * 56 * 4 + 64 * 64 * 27 * 4
     # 1x1x1 stride 2 (no per-thread gather, unlike 2-d): 12,877,824.
-    assert ws(conv3d(x, meta(128, 64, 1, 1, 1), meta(2, 128, 4, 28, 28), 2, 0)) == 12_877_824
+    assert ws(conv(x, meta(128, 64, 1, 1, 1), 2, 0, out=meta(2, 128, 4, 28, 28))) == 12_877_824
     # the stem (3 channels: no source reorder): the blocked result alone, 12,845,056.
     stem = call(
         aten.convolution.default,
@@ -505,15 +480,15 @@ def test_convolution_3d_backward_gemm_when_the_input_is_shallower_than_the_kerne
     w = meta(512, 512, 3, 3, 3)
     x = go = meta(2, 512, 1, 7, 7)
     col = 512 * 27 * 49 * 4
-    assert ws(conv3d_backward(go, x, w)) == 2 * (4 * w.bytes + col) + 256 == 231_911_680
+    assert ws(convb(go, x, w, 1, 1, mask=NO_BIAS)) == 2 * (4 * w.bytes + col) + 256 == 231_911_680
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    assert ws(conv3d_backward(go, x, w)) == 115_955_968  # measured at 1 thread
+    assert ws(convb(go, x, w, 1, 1, mask=NO_BIAS)) == 115_955_968  # measured at 1 thread
     # batch 1: the column buffers only, one per thread up to the output depth (measured 2,709,504).
-    assert ws(conv3d_backward(meta(1, 512, 1, 7, 7), meta(1, 512, 1, 7, 7), w)) == col
+    assert ws(convb(meta(1, 512, 1, 7, 7), meta(1, 512, 1, 7, 7), w, 1, 1, mask=NO_BIAS)) == col
     # deep enough for the kernel: the blocked (jit) scheme, as in 2-d -- 128->128 at 4x28x28, measured
     # 6,422,528: the backward-data phase, blocked grad_output + weights + diff_src, less the outputs.
     x = go = meta(2, 128, 4, 28, 28)
-    assert ws(conv3d_backward(go, x, meta(128, 128, 3, 3, 3))) == 6_422_528
+    assert ws(convb(go, x, meta(128, 128, 3, 3, 3), 1, 1, mask=NO_BIAS)) == 6_422_528
 
 
 def test_convolution_3d_backward_strided_holds_three_grad_outputs_more(
@@ -523,13 +498,13 @@ def test_convolution_3d_backward_strided_holds_three_grad_outputs_more(
     # for 3x3x3): input + blocked grad_output + blocked source + 3 grad_outputs, less the outputs.
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     x, go = meta(2, 64, 8, 56, 56), meta(2, 128, 4, 28, 28)
-    assert ws(conv3d_backward(go, x, meta(128, 64, 1, 1, 1), 2, 0)) == 25_657_344
-    assert ws(conv3d_backward(go, x, meta(128, 64, 3, 3, 3), 2, 1)) == 24_805_376
+    assert ws(convb(go, x, meta(128, 64, 1, 1, 1), 2, 0, mask=NO_BIAS)) == 25_657_344
+    assert ws(convb(go, x, meta(128, 64, 3, 3, 3), 2, 1, mask=NO_BIAS)) == 24_805_376
     # bfloat16 and grouped 3-d convolutions are not modelled (unmeasured).
     xb = meta(2, 64, 8, 56, 56, dtype=torch.bfloat16)
     assert (
         kernel_memory(
-            conv3d_backward(
+            convb(
                 meta(2, 128, 4, 28, 28, dtype=torch.bfloat16),
                 xb,
                 meta(128, 64, 1, 1, 1, dtype=torch.bfloat16),
@@ -538,25 +513,6 @@ def test_convolution_3d_backward_strided_holds_three_grad_outputs_more(
             )
         )
         is None
-    )
-
-
-def conv_backward(
-    go: TensorMeta, x: TensorMeta, w: TensorMeta, stride: int, mask: tuple[bool, ...] = (False, True, True)
-) -> OpCall:
-    return call(
-        aten.convolution_backward.default,
-        go,
-        x,
-        w,
-        [w.shape[0]],
-        [stride] * 2,
-        [0, 0],
-        [1, 1],
-        False,
-        [0, 0],
-        1,
-        list(mask),
     )
 
 
@@ -569,17 +525,18 @@ def test_convolution_backward_large_kernels_run_as_gemm(monkeypatch: pytest.Monk
     w = meta(768, 3, 32, 32)
     go = meta(2, 768, 7, 7, stride=(768 * 49, 1, 7 * 768, 768))  # the transpose of a contiguous (2, 49, 768)
     col = 3 * 32 * 32 * 49 * 4
-    assert ws(conv_backward(go, meta(2, 3, 224, 224), w, 32)) == go.bytes + 2 * (4 * w.bytes + col) + 256
-    assert ws(conv_backward(go, meta(2, 3, 224, 224), w, 32)) == 77_003_008
+    vit = (False, True, True)  # the input is the batch: no grad_input; the patch conv has a bias
+    assert ws(convb(go, meta(2, 3, 224, 224), w, 32, 0, mask=vit)) == go.bytes + 2 * (4 * w.bytes + col) + 256
+    assert ws(convb(go, meta(2, 3, 224, 224), w, 32, 0, mask=vit)) == 77_003_008
     # Above 256 output positions per thread the threads share one set (16x16 stride 8: 22x22 -> a set
     # each, measured 21,848,320; 23x23 -> one, measured 11,062,528).
     w16 = meta(768, 3, 16, 16)
-    assert ws(conv_backward(meta(2, 768, 22, 22), meta(2, 3, 184, 184), w16, 8)) == 21_848_320
-    assert ws(conv_backward(meta(2, 768, 23, 23), meta(2, 3, 192, 192), w16, 8)) == 11_062_528
+    assert ws(convb(meta(2, 768, 22, 22), meta(2, 3, 184, 184), w16, 8, 0, mask=vit)) == 21_848_320
+    assert ws(convb(meta(2, 768, 23, 23), meta(2, 3, 192, 192), w16, 8, 0, mask=vit)) == 11_062_528
     # kernel 14 still runs the blocked kernels: not this formula (measured 1,806,336 = the weights).
     w14 = meta(768, 3, 14, 14)
     assert (
-        ws(conv_backward(meta(2, 768, 16, 16), meta(2, 3, 224, 224), w14, 14))
+        ws(convb(meta(2, 768, 16, 16), meta(2, 3, 224, 224), w14, 14, 0, mask=vit))
         != 2 * (4 * w14.bytes + 3 * 14 * 14 * 256 * 4) + 256
     )
 
@@ -594,14 +551,14 @@ def test_convolution_backward_downsampling_holds_input_minus_grad_output(
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     mask = (True, True, False)
     go, x, w = meta(4, 128, 28, 28), meta(4, 128, 56, 56), meta(128, 128, 3, 3)
-    assert ws(conv_backward(go, x, w, 2, mask)) == 12_255_232
+    assert ws(convb(go, x, w, 2, 0, mask=mask)) == 12_255_232
     assert (
-        ws(conv_backward(meta(2, 128, 28, 28), meta(2, 64, 56, 56), meta(128, 64, 1, 1), 2, mask))
+        ws(convb(meta(2, 128, 28, 28), meta(2, 64, 56, 56), meta(128, 64, 1, 1), 2, 0, mask=mask))
         == 3_178_496
     )
     # where the weights outweigh it, the blocked-weights phase stays the peak (resnet18's 128->256 3x3,
     # measured 1,204,224)
     assert (
-        ws(conv_backward(meta(2, 256, 14, 14), meta(2, 128, 28, 28), meta(256, 128, 3, 3), 2, mask))
+        ws(convb(meta(2, 256, 14, 14), meta(2, 128, 28, 28), meta(256, 128, 3, 3), 2, 0, mask=mask))
         == 1_204_224
     )
