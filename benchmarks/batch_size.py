@@ -19,9 +19,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # models:TinyGPT
 
-from lightning_memest.batch_size import case_batch_maker, max_batch_size, parse_size
-from lightning_memest.models import InputSpec, build_case
+from lightning_memest.budget import parse_size
+from lightning_memest.cases import InputSpec, build_case, case_batch_maker
 from lightning_memest.report import format_bytes
+from lightning_memest.search import max_batch_size
 
 MODELS: list[tuple[str, InputSpec, dict[str, Any] | None]] = [
     ("torchvision.models:resnet18", InputSpec(8, shape=(3, 224, 224)), None),

@@ -37,10 +37,11 @@ from torch.utils._pytree import tree_map_only
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_memest.engine.step import StepRunner, true_dtype  # noqa: E402
-from lightning_memest.models import Case, build_case, estimate_case, measure_case  # noqa: E402
 from tests.test_accuracy import CASES as ACCURACY_CASES  # noqa: E402
 from tests.test_accuracy import case_input as _input  # noqa: E402
+
+from lightning_memest.cases import Case, build_case, estimate_case, measure_case  # noqa: E402
+from lightning_memest.engine.step import StepRunner, true_dtype  # noqa: E402
 
 # The visible set of the accuracy test, and efficientnet_v2_s (MemTracker's slowest case in NOTES.md).
 CASES = [*ACCURACY_CASES, ("torchvision.models:efficientnet_v2_s", 4, "adam", "32-true")]
@@ -95,15 +96,10 @@ def run_case(spec: str, batch_size: int, optimizer: str, precision: str, repeats
 def flop_overhead(case: Case, repeats: int) -> tuple[float, float]:
     """Seconds of a simulation capturing only what the kernel models need, and of one that also
     captures for FLOPs and counts them (min of ``repeats``, interleaved: the machine is noisy)."""
-    from lightning_memest.accounting import flops, kernels
+    from lightning_memest.accounting import capture_filter, flops
     from lightning_memest.engine.simulate import simulate
 
-    def kernels_only(op: torch._ops.OpOverload) -> bool:
-        return kernels.kernel_model_for(op) is not None
-
-    def with_flops(op: torch._ops.OpOverload) -> bool:
-        return kernels_only(op) or flops.captures_flops(op)
-
+    kernels_only, with_flops = capture_filter(flops=False), capture_filter(flops=True)
     plain: list[float] = []
     counted: list[float] = []
     for _ in range(repeats):

@@ -1,4 +1,5 @@
-"""Check lightning_memest/accounting/kernels.py against op calls recorded by find_kernel_workspaces.py --json.
+"""Check the CPU kernel models (lightning_memest/accounting/kernels/) against op calls recorded by
+find_kernel_workspaces.py --json.
 
 Usage: python benchmarks/check_kernel_models.py runs/*.json -- prints, per op and precision, the exact calls
 and the absolute error in bytes against the measured excess and under-reported outputs."""
@@ -11,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-from lightning_memest.accounting.kernels import OpCall, TensorMeta, kernel_memory, kernel_model_for
+from lightning_memest.accounting.kernels import CPU_KERNELS, OpCall, TensorMeta, kernel_memory
 
 DT = {
     str(d).removeprefix("torch."): d
@@ -52,7 +53,7 @@ for f in sorted(sys.argv[1:]):
         if not c["op"].startswith("aten."):
             continue
         op = opof(c["op"])
-        if kernel_model_for(op) is None:
+        if CPU_KERNELS.lookup(op) is None:
             if c["excess"] > 65536:
                 stats["(unmodelled) " + c["op"]][4].append((m["model"], m["precision"], c["excess"]))
             continue

@@ -58,7 +58,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lightning_memest.engine.step import Phase, StepConfig, StepRunner
+from lightning_memest.engine.events import Phase
+from lightning_memest.engine.step import StepConfig, StepRunner
 from tests.models import (
     LSTMLanguageModel,
     TinyGPT,
@@ -199,8 +200,8 @@ def build_case(
     torch.manual_seed(0)
     loss_fn: Callable[[nn.Module, Any], Tensor]
     if ":" in name:
-        from lightning_memest.models import InputSpec
-        from lightning_memest.models import build_case as build_spec
+        from lightning_memest.cases import InputSpec
+        from lightning_memest.cases import build_case as build_spec
 
         sys.path.insert(0, str(Path.cwd()))  # as memest does: the current directory is importable
         case = build_spec(
@@ -251,7 +252,8 @@ def resident(model: nn.Module, batch: Any, device: str) -> int:
     if device == "cuda":
         torch.cuda.synchronize()
         return torch.cuda.memory_allocated()
-    from lightning_memest.measure import iter_tensors, resident_bytes
+    from lightning_memest.batches import iter_tensors
+    from lightning_memest.measure import resident_bytes
 
     return resident_bytes([*model.parameters(), *model.buffers(), *iter_tensors(batch)])
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from lightning_memest.models import InputSpec, build_case, estimate_case, measure_case
+from lightning_memest.cases import InputSpec, build_case, estimate_case, measure_case
 from lightning_memest.report import format_bytes
 
 

@@ -8,10 +8,10 @@ Example:
     33288
 """
 
-from lightning_memest.batch_size import BatchSizeResult, FitBatchSize, max_batch_size
-from lightning_memest.callback import MemEstimate
+from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
+from lightning_memest.adapter import FitBatchSize, MemEstimate
 from lightning_memest.engine.distributed import DDP, FSDP
-from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError, TraceError
+from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError, SpecError, TraceError
 from lightning_memest.estimate import estimate_step
 from lightning_memest.report import (
     Breakdown,
@@ -21,12 +21,14 @@ from lightning_memest.report import (
     StepEstimate,
     TimelinePoint,
 )
+from lightning_memest.search import BatchSizeResult, max_batch_size
 
 __all__ = [
     "DDP",
     "FSDP",
     "BatchSizeResult",
     "Breakdown",
+    "CudaCachingAllocator",
     "DataDependentRead",
     "EstimationError",
     "FitBatchSize",
@@ -35,6 +37,7 @@ __all__ = [
     "MemoryBudgetError",
     "ModuleStats",
     "Peak",
+    "SpecError",
     "StepEstimate",
     "TimelinePoint",
     "TraceError",

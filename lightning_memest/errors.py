@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+__all__ = ["EstimationError", "MemestError", "MemoryBudgetError", "SpecError", "TraceError"]
+
 
 class MemestError(Exception):
     """Base class of every error lightning_memest raises on purpose."""
@@ -52,3 +54,8 @@ class TraceError(MemestError):
     The message carries fx's reason (typically Python control flow on a tensor's value). The
     module-level estimate (``estimate_step``) needs no trace and still works for such a model.
     """
+
+
+class SpecError(MemestError):
+    """A setting that cannot make a case (``lightning_memest.cases``, the ``memest`` command line): an
+    unknown model, a bad shape, an input the model rejects."""

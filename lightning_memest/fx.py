@@ -1,5 +1,6 @@
 """A node-level profile of a training step over a ``torch.fx`` graph: what each node saves for backward,
-allocates, and computes.
+allocates, and computes (tracing, the recorder that marks which node runs, and the report; the figures
+are computed by ``accounting/attribution.py``).
 
 :func:`profile_graph` traces a module (``torch.fx.symbolic_trace``), or takes a ``GraphModule`` as it
 is, and runs **one training step** of it on fake tensors -- forward, ``loss_fn``, backward, the same
@@ -49,7 +50,7 @@ reports the checkpointed step.
 
 A model that ``symbolic_trace`` cannot trace (Python control flow on a tensor's value, ...) raises
 :class:`~lightning_memest.errors.TraceError` with fx's reason; ``estimate_step`` still gives its
-module-level report (:func:`module_rows` / :func:`module_table` render that one the same way).
+module-level report (``lightning_memest.tables`` renders that one the same way).
 
 Example:
     >>> import torch
@@ -69,9 +70,8 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Final
 
 import torch
@@ -79,14 +79,15 @@ import torch.fx
 from torch import Tensor, nn
 from torch.utils._pytree import tree_leaves
 
-from lightning_memest.accounting.allocator import final_roles
-from lightning_memest.accounting.flops import captures_flops, count_flops
-from lightning_memest.engine.events import Alloc, Event, Free, OpEvent, Resize, Role, Tag
+from lightning_memest.accounting.attribution import OUTSIDE, NodeFigures
+from lightning_memest.accounting.flops import captures_flops
+from lightning_memest.accounting.replay import final_roles, walk
+from lightning_memest.engine.events import Event, Mark, Phase
 from lightning_memest.engine.fake import setattr_raw
-from lightning_memest.engine.simulate import Runner, simulate
+from lightning_memest.engine.simulate import simulate
 from lightning_memest.engine.step import (
     LossFn,
-    Phase,
+    Runner,
     StepConfig,
     StepListener,
     StepRunner,
@@ -95,19 +96,16 @@ from lightning_memest.engine.step import (
 )
 from lightning_memest.engine.tracker import Tracker
 from lightning_memest.errors import TraceError
-from lightning_memest.report import ModuleStats, format_bytes, human_flops
+from lightning_memest.report import NODE_ORDERS, GraphProfile, GraphTotals, NodeProfile
 
 __all__ = [
     "META_KEY",
-    "MODULE_ORDERS",
     "NODE_ORDERS",
     "GraphProfile",
     "GraphTotals",
     "NodeProfile",
     "annotate",
     "annotated_graph_module",
-    "module_rows",
-    "module_table",
     "profile_graph",
     "trace",
 ]
@@ -115,212 +113,7 @@ __all__ = [
 #: The key of ``node.meta`` that :func:`annotate` sets.
 META_KEY: Final = "memest"
 
-_OUTSIDE = -1  # the owner of events that belong to no graph node
 _GRAD_FN_KEY = "lightning_memest.fx.node"  # marks an autograd node's owner in its ``metadata``
-
-
-# ------------------------------------------------------------------------------------------ reports
-
-
-@dataclass(frozen=True, slots=True)
-class NodeProfile:
-    """What one graph node does in a training step (see the module docstring for each figure)."""
-
-    name: str
-    op: str
-    """The fx opcode: ``placeholder``, ``get_attr``, ``call_function``, ``call_method``, ``call_module``,
-    ``output`` (``outside`` for :attr:`GraphProfile.outside`)."""
-    target: str
-    """The module path (``call_module``), method name, attribute path, or qualified function name."""
-    fwd_in: int
-    fwd_tmp: int
-    fwd_out: int
-    bwd_tmp: int
-    bwd_out: int
-    fwd_flops: int
-    bwd_flops: int
-    fwd_other_flops: int
-    bwd_other_flops: int
-
-    @property
-    def saved(self) -> int:
-        """Bytes this node keeps alive for backward: ``fwd_in + fwd_tmp``."""
-        return self.fwd_in + self.fwd_tmp
-
-    @property
-    def flops(self) -> int:
-        """Headline FLOPs of its forward and backward."""
-        return self.fwd_flops + self.bwd_flops
-
-
-@dataclass(frozen=True, slots=True)
-class GraphTotals:
-    """Sums over the nodes and :attr:`GraphProfile.outside`."""
-
-    saved_bytes: int
-    """Activation bytes of the step: equals ``estimate_step(...).modules.saved_bytes`` (first step)."""
-    fwd_flops: int
-    bwd_flops: int
-    fwd_other_flops: int
-    bwd_other_flops: int
-
-
-#: ``by`` values of :meth:`GraphProfile.table` / :meth:`GraphProfile.rows`: ``graph`` keeps the graph's
-#: order; the others sort by that figure, largest first.
-NODE_ORDERS: Final = (
-    "graph",
-    "saved",
-    "fwd_in",
-    "fwd_tmp",
-    "fwd_out",
-    "bwd_tmp",
-    "bwd_out",
-    "flops",
-    "fwd_flops",
-    "bwd_flops",
-)
-
-
-@dataclass(frozen=True)
-class GraphProfile:
-    """The node-level profile of one training step (first step; see :func:`profile_graph`)."""
-
-    nodes: tuple[NodeProfile, ...]
-    """One per graph node, in graph order."""
-    outside: NodeProfile
-    """What ran outside the graph: the loss, the seed gradient of backward, and the like."""
-    device: str
-    precision: str
-    seconds: float
-    """Wall seconds of the simulation."""
-    graph_module: torch.fx.GraphModule = field(repr=False, compare=False)
-    """The graph that ran (the one given, or the trace of the module given); see :func:`annotate`."""
-
-    @property
-    def totals(self) -> GraphTotals:
-        every = (*self.nodes, self.outside)
-        return GraphTotals(
-            saved_bytes=sum(n.saved for n in every),
-            fwd_flops=sum(n.fwd_flops for n in every),
-            bwd_flops=sum(n.bwd_flops for n in every),
-            fwd_other_flops=sum(n.fwd_other_flops for n in every),
-            bwd_other_flops=sum(n.bwd_other_flops for n in every),
-        )
-
-    def node(self, name: str) -> NodeProfile:
-        """The profile of the node called ``name`` (``KeyError`` if there is none)."""
-        for n in self.nodes:
-            if n.name == name:
-                return n
-        raise KeyError(name)
-
-    def ordered(self, by: str = "graph", top: int | None = None) -> list[NodeProfile]:
-        """The nodes in graph order (``by="graph"``) or by a figure, largest first; the first ``top``."""
-        if by not in NODE_ORDERS:
-            raise ValueError(f"by must be one of {', '.join(NODE_ORDERS)}; got {by!r}")
-        if top is not None and top < 0:
-            raise ValueError(f"top must be at least 0; got {top}")
-        nodes = list(self.nodes)
-        if by != "graph":
-            nodes.sort(key=lambda n: getattr(n, by), reverse=True)  # stable: graph order among ties
-        return nodes if top is None else nodes[:top]
-
-    def rows(self, by: str = "graph", top: int | None = None) -> list[dict[str, Any]]:
-        """Plain data, one dict per node (its fields and ``saved``), for ``--json``."""
-        return [_row(n) for n in self.ordered(by, top)]
-
-    def to_json(self, by: str = "graph", top: int | None = None) -> dict[str, Any]:
-        """``{"nodes": rows, "outside": row, "totals": {...}, "device", "precision", "seconds"}``."""
-        return {
-            "nodes": self.rows(by, top),
-            "outside": _row(self.outside),
-            "totals": asdict(self.totals),
-            "device": self.device,
-            "precision": self.precision,
-            "seconds": round(self.seconds, 4),
-        }
-
-    def table(self, top: int | None = None, by: str = "graph") -> str:
-        """A text table: one row per node (bytes in binary units, FLOPs in decimal ones), then the
-        ``(outside)`` row and the totals.
-
-        Example:
-            >>> import torch
-            >>> p = profile_graph(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()),
-            ...                   torch.randn(2, 8))
-            >>> print(p.table(top=1, by="saved"))
-            node       op           target  fwd_in  fwd_tmp  fwd_out  bwd_tmp  bwd_out  fwd FLOPs  bwd FLOPs
-            _1         call_module  1          0 B     64 B     64 B      0 B     64 B     0 FLOP     0 FLOP
-            (outside)  outside      loss       0 B      0 B      0 B      0 B      4 B     0 FLOP     0 FLOP
-            total                              0 B     64 B                              256 FLOP   256 FLOP
-        """
-        shown = self.ordered(by, top)
-        header = (
-            "node",
-            "op",
-            "target",
-            "fwd_in",
-            "fwd_tmp",
-            "fwd_out",
-            "bwd_tmp",
-            "bwd_out",
-            "fwd FLOPs",
-            "bwd FLOPs",
-        )
-        body = [_cells(n) for n in (*shown, self.outside)]
-        t = self.totals
-        saved_in = sum(n.fwd_in for n in (*self.nodes, self.outside))
-        total = (
-            "total",
-            "",
-            "",
-            format_bytes(saved_in),
-            format_bytes(t.saved_bytes - saved_in),
-            "",
-            "",
-            "",
-            human_flops(t.fwd_flops),
-            human_flops(t.bwd_flops),
-        )
-        return _render([header, *body, total], right_from=3)
-
-
-def _row(n: NodeProfile) -> dict[str, Any]:
-    row = asdict(n)
-    row["saved"] = n.saved
-    return row
-
-
-def _cells(n: NodeProfile) -> tuple[str, ...]:
-    return (
-        n.name,
-        n.op,
-        _shorten(n.target, 40),
-        format_bytes(n.fwd_in),
-        format_bytes(n.fwd_tmp),
-        format_bytes(n.fwd_out),
-        format_bytes(n.bwd_tmp),
-        format_bytes(n.bwd_out),
-        human_flops(n.fwd_flops),
-        human_flops(n.bwd_flops),
-    )
-
-
-def _shorten(text: str, width: int) -> str:
-    return text if len(text) <= width else "..." + text[-(width - 3) :]
-
-
-def _render(rows: Sequence[Sequence[str]], right_from: int) -> str:
-    """Columns two spaces apart; those from ``right_from`` on right-aligned, except in the header."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for k, r in enumerate(rows):
-        cells = [
-            c.rjust(w) if i >= right_from and k > 0 else c.ljust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -388,24 +181,22 @@ def profile_graph(
         >>> p.node("_1").fwd_in == 8 * 14 * 14 * 4  # the second conv saves its input, the first's output
         True
     """
-    checked = check_precision(precision)
+    config = StepConfig(loss_fn=loss_fn, optimizer=None, precision=check_precision(precision))
     gm = trace(model)
-    config = StepConfig(loss_fn=loss_fn, optimizer=None, precision=checked)
     recorder = _Recorder(gm)
     start = time.perf_counter()
     with _interpreted(gm, recorder):
         sim = simulate(
-            gm,
-            example_inputs,
-            recorder.runner_factory(config),
-            device=device,
-            steps=1,
-            capture=captures_flops,
-            precision=checked,
+            gm, example_inputs, config, runner=recorder.runner, device=device, steps=1, capture=captures_flops
         )
     seconds = time.perf_counter() - start
-    nodes, outside = _profiles(gm, sim.events, recorder)
-    return GraphProfile(nodes, outside, str(sim.device), checked, seconds, gm)
+    graph_nodes = list(gm.graph.nodes)
+    figures = NodeFigures(final_roles(sim.events), [node.name for node in graph_nodes])
+    walk(sim.events, figures)
+    nodes, outside = figures.profiles(
+        [(node.name, node.op, _target(node)) for node in graph_nodes], recorder.outputs
+    )
+    return GraphProfile(nodes, outside, str(sim.device), config.precision, seconds, gm)
 
 
 def annotate(gm: torch.fx.GraphModule, profile: GraphProfile) -> torch.fx.GraphModule:
@@ -450,11 +241,6 @@ def annotated_graph_module(
 # ------------------------------------------------------------------------------------------ recording
 
 
-# A mark says that from event index ``at`` on, events belong to ``owner`` (a node's index in the graph,
-# or _OUTSIDE), in forward or in backward.
-_Mark = tuple[int, int, bool]
-
-
 class _Recorder:
     """Marks in the tracker's event stream where each node's forward and backward begin and end."""
 
@@ -463,40 +249,38 @@ class _Recorder:
         self.index = {node: i for i, node in enumerate(gm.graph.nodes)}
         self.events: list[Event] = []
         self.tracker: Tracker | None = None
-        self.marks: list[_Mark] = []
         self.outputs: dict[int, set[int]] = {}  # node index -> storage handles of its outputs
         self.backward = False
 
-    def runner_factory(self, config: StepConfig) -> Callable[[nn.Module, StepListener], Runner]:
-        def make(model: nn.Module, listener: StepListener) -> Runner:
-            if not isinstance(listener, Tracker):  # simulate passes its tracker
-                raise TypeError(f"expected the engine's Tracker as listener; got {type(listener).__name__}")
-            self.tracker = listener
-            self.events = listener.events
-            return StepRunner(model, config, listener=_PhaseListener(listener, self))
-
-        return make
+    def runner(self, model: nn.Module, config: StepConfig, listener: StepListener) -> Runner:
+        """The engine's runner factory: the plain step, telling this recorder where phases begin."""
+        if not isinstance(listener, Tracker):  # simulate passes its tracker
+            raise TypeError(f"expected the engine's Tracker as listener; got {type(listener).__name__}")
+        self.tracker = listener
+        self.events = listener.events
+        return StepRunner(model, config, listener=_PhaseListener(listener, self))
 
     def mark(self, owner: int, backward: bool) -> None:
-        self.marks.append((len(self.events), owner, backward))
+        # From here on, events belong to ``owner`` (a node's index in the graph, or OUTSIDE).
+        self.events.append(Mark(owner, backward))
 
     def on_phase(self, phase: Phase) -> None:
         self.backward = phase is Phase.BACKWARD
-        self.mark(_OUTSIDE, self.backward)
+        self.mark(OUTSIDE, self.backward)
 
     def run_graph(self, interpreter: _NodeInterpreter, args: tuple[Any, ...]) -> Any:
         # Autograd nodes of tensors made before the graph runs (in loss_fn) are not the first node's.
-        self.claim(args, _OUTSIDE)
+        self.claim(args, OUTSIDE)
         try:
             return interpreter.run(*args)
         finally:
-            self.mark(_OUTSIDE, False)
+            self.mark(OUTSIDE, False)
 
     def run_node(self, interpreter: _NodeInterpreter, node: torch.fx.Node) -> Any:
         owner = self.index[node]
         self.mark(owner, False)
         result = torch.fx.Interpreter.run_node(interpreter, node)
-        self.mark(_OUTSIDE, False)
+        self.mark(OUTSIDE, False)
         tracker = self.tracker
         if tracker is not None:
             handles = self.outputs.setdefault(owner, set())
@@ -601,140 +385,6 @@ def _positional(bound: inspect.BoundArguments) -> tuple[Any, ...]:
     return tuple(args)
 
 
-# ------------------------------------------------------------------------------------------ accounting
-
-
-def _owners(events: Sequence[Event], marks: Sequence[_Mark]) -> Iterator[tuple[Event, int, bool]]:
-    """Each event of the first step with its owner and whether it is in backward."""
-    owner, backward = _OUTSIDE, False
-    m = 0
-    for i, e in enumerate(events):
-        while m < len(marks) and marks[m][0] <= i:
-            _, owner, backward = marks[m]
-            m += 1
-        if type(e) is OpEvent and e.step > 0:
-            return
-        yield e, owner, backward
-
-
-def _profiles(
-    gm: torch.fx.GraphModule, events: Sequence[Event], recorder: _Recorder
-) -> tuple[tuple[NodeProfile, ...], NodeProfile]:
-    graph_nodes = list(gm.graph.nodes)
-    n = len(graph_nodes)
-    # Figures by slot: a node's index in the graph, and n for what ran outside the graph.
-    fwd_in = [0] * (n + 1)
-    fwd_tmp = [0] * (n + 1)
-    own_live = [0] * (n + 1)  # bytes a slot's backward allocated that are alive now
-    own_high = [0] * (n + 1)
-    out_at_end = [0] * (n + 1)  # own_live when its backward last ended
-    names = [node.name for node in graph_nodes] + [""]  # "": count_flops' root
-    roles = final_roles(events)
-    allocated: dict[int, int] = {}  # storage -> bytes at allocation (as ModuleStats.saved_bytes has it)
-    size: dict[int, int] = {}  # storage -> bytes now
-    made_by: dict[int, tuple[int, bool]] = {}  # storage -> (slot, in backward) at its allocation
-    backward_live: dict[int, int] = {}  # storage -> slot, for storages a backward allocated
-    seen: set[int] = set()
-    relabelled: list[Event] = []  # the ops, with their node's name as their module (for count_flops)
-    previous: tuple[int, bool] = (n, False)
-    for e, owner, backward in _owners(events, recorder.marks):
-        s = owner if owner != _OUTSIDE else n
-        if (s, backward) != previous:
-            if previous[1]:
-                out_at_end[previous[0]] = own_live[previous[0]]
-            previous = (s, backward)
-        kind = type(e)
-        if kind is OpEvent:
-            assert isinstance(e, OpEvent)
-            relabelled.append(replace(e, module=names[s]))
-        elif kind is Alloc:
-            assert isinstance(e, Alloc)
-            allocated[e.storage] = size[e.storage] = e.nbytes
-            made_by[e.storage] = (s, backward)
-            if backward:
-                backward_live[e.storage] = s
-                own_live[s] += e.nbytes
-                own_high[s] = max(own_high[s], own_live[s])
-        elif kind is Free:
-            assert isinstance(e, Free)
-            o = backward_live.pop(e.storage, None)
-            if o is not None:
-                own_live[o] -= size[e.storage]
-        elif kind is Resize:
-            assert isinstance(e, Resize)
-            o = backward_live.get(e.storage)
-            if o is not None:
-                own_live[o] += e.nbytes - size[e.storage]
-                own_high[o] = max(own_high[o], own_live[o])
-            size[e.storage] = e.nbytes
-        elif kind is Tag:
-            assert isinstance(e, Tag)
-            if (
-                e.role is not Role.ACTIVATION
-                or e.storage in seen
-                or roles.get(e.storage) is not Role.ACTIVATION
-            ):
-                continue
-            seen.add(e.storage)  # counted once, for the first node that saves it
-            nbytes = allocated.get(e.storage, 0)
-            if made_by.get(e.storage, (-1, False))[0] == s:
-                fwd_tmp[s] += nbytes
-            else:
-                fwd_in[s] += nbytes
-    if previous[1]:
-        out_at_end[previous[0]] = own_live[previous[0]]
-
-    flop_count = count_flops(relabelled)
-    node_flops = {m.path: m for m in flop_count.modules}
-
-    def fwd_out(i: int) -> int:
-        handles = recorder.outputs.get(i, set())
-        return sum(allocated.get(h, 0) for h in handles if made_by.get(h) == (i, False))
-
-    profiles = []
-    for i, node in enumerate(graph_nodes):
-        counted = node_flops.get(node.name)
-        profiles.append(
-            NodeProfile(
-                name=node.name,
-                op=node.op,
-                target=_target(node),
-                fwd_in=fwd_in[i],
-                fwd_tmp=fwd_tmp[i],
-                fwd_out=fwd_out(i),
-                bwd_tmp=max(own_high[i] - out_at_end[i], 0),
-                bwd_out=out_at_end[i],
-                fwd_flops=counted.forward if counted else 0,
-                bwd_flops=counted.backward if counted else 0,
-                fwd_other_flops=counted.other_forward if counted else 0,
-                bwd_other_flops=counted.other_backward if counted else 0,
-            )
-        )
-    root = node_flops.get("")
-
-    def rest(field_name: str) -> int:
-        total = getattr(root, field_name) if root is not None else 0
-        return int(
-            total - sum(getattr(node_flops[p.name], field_name) for p in profiles if p.name in node_flops)
-        )
-
-    outside = NodeProfile(
-        name="(outside)",
-        op="outside",
-        target="loss",
-        fwd_in=fwd_in[n],
-        fwd_tmp=fwd_tmp[n],
-        fwd_out=0,
-        bwd_tmp=max(own_high[n] - out_at_end[n], 0),
-        bwd_out=out_at_end[n],
-        fwd_flops=rest("forward"),
-        bwd_flops=rest("backward"),
-        fwd_other_flops=rest("other_forward"),
-        bwd_other_flops=rest("other_backward"),
-    )
-    return tuple(profiles), outside
-
-
 def _target(node: torch.fx.Node) -> str:
     target = node.target
     if isinstance(target, str):
@@ -743,82 +393,3 @@ def _target(node: torch.fx.Node) -> str:
         return torch.fx.node._get_qualified_name(target)
     except Exception:
         return getattr(target, "__name__", repr(target))
-
-
-# ------------------------------------------------------------------------------------------ modules
-
-
-#: ``by`` values of :func:`module_rows` / :func:`module_table`: ``tree`` is depth-first module order.
-MODULE_ORDERS: Final = ("tree", "saved", "parameters", "forward_peak", "backward_peak", "flops")
-
-_MODULE_SORT: Final[Mapping[str, Callable[[ModuleStats], int]]] = {
-    "saved": lambda m: m.saved_bytes,
-    "parameters": lambda m: m.parameter_bytes,
-    "forward_peak": lambda m: m.forward_peak_bytes or 0,
-    "backward_peak": lambda m: m.backward_peak_bytes or 0,
-    "flops": lambda m: (m.forward_flops or 0) + (m.backward_flops or 0),
-}
-
-
-def module_rows(
-    modules: ModuleStats, by: str = "tree", top: int | None = None, *, leaves_only: bool = False
-) -> list[dict[str, Any]]:
-    """The module-level counterpart of :meth:`GraphProfile.rows`: one dict per module of an estimate's
-    tree (``estimate_step(...).modules``; figures of the first step, each module including its
-    children), in tree order or sorted by a figure, largest first.
-
-    Example:
-        >>> import torch
-        >>> from lightning_memest import estimate_step
-        >>> est = estimate_step(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()),
-        ...                     torch.randn(2, 4), steps=1)
-        >>> [(r["path"], r["saved_bytes"]) for r in module_rows(est.modules, by="saved")]
-        [('', 32), ('1', 32), ('0', 0)]
-    """
-    if by not in MODULE_ORDERS:
-        raise ValueError(f"by must be one of {', '.join(MODULE_ORDERS)}; got {by!r}")
-    if top is not None and top < 0:
-        raise ValueError(f"top must be at least 0; got {top}")
-    chosen = [m for m in modules.walk() if not leaves_only or not m.children]
-    if by != "tree":
-        chosen.sort(key=_MODULE_SORT[by], reverse=True)
-    if top is not None:
-        chosen = chosen[:top]
-    return [{f.name: getattr(m, f.name) for f in fields(m) if f.name != "children"} for m in chosen]
-
-
-def module_table(
-    modules: ModuleStats, by: str = "tree", top: int | None = None, *, leaves_only: bool = False
-) -> str:
-    """:func:`module_rows` as a text table like :meth:`GraphProfile.table`.
-
-    Example:
-        >>> import torch
-        >>> from lightning_memest import estimate_step
-        >>> est = estimate_step(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()),
-        ...                     torch.randn(2, 4), steps=1)
-        >>> print(module_table(est.modules, by="saved", top=2))
-        module  type        params  saved  fwd peak  bwd peak  fwd FLOPs  bwd FLOPs
-        (root)  Sequential    80 B   32 B     176 B     232 B    64 FLOP    64 FLOP
-        1       ReLU           0 B   32 B     176 B     184 B     0 FLOP     0 FLOP
-    """
-    rows = module_rows(modules, by, top, leaves_only=leaves_only)
-    header = ("module", "type", "params", "saved", "fwd peak", "bwd peak", "fwd FLOPs", "bwd FLOPs")
-
-    def maybe(value: int | None, render: Callable[[int], str]) -> str:
-        return "-" if value is None else render(value)
-
-    body = [
-        (
-            r["path"] or "(root)",
-            r["type_name"],
-            format_bytes(r["parameter_bytes"]),
-            format_bytes(r["saved_bytes"]),
-            maybe(r["forward_peak_bytes"], format_bytes),
-            maybe(r["backward_peak_bytes"], format_bytes),
-            maybe(r["forward_flops"], human_flops),
-            maybe(r["backward_flops"], human_flops),
-        )
-        for r in rows
-    ]
-    return _render([header, *body], right_from=2)

@@ -54,10 +54,19 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from lightning_memest.batches import iter_tensors
 from lightning_memest.engine.fake import local_tensor, resident_tensors
 from lightning_memest.engine.step import StepConfig, StepRunner
 
-__all__ = ["STEP_LABEL", "Measurement", "iter_tensors", "measure_step", "resident_bytes"]
+__all__ = [
+    "STEP_LABEL",
+    "Measurement",
+    "StepProbe",
+    "cpu_step_peaks",
+    "measure_step",
+    "module_tensors",
+    "resident_bytes",
+]
 
 #: The ``record_function`` label of step ``i`` is ``f"{STEP_LABEL}{i}"``.
 STEP_LABEL = "memest_step_"
@@ -88,18 +97,6 @@ class Measurement:
     def steady_state(self) -> int:
         """The peak of the last step measured, which later steps repeat."""
         return self.peak_bytes[-1]
-
-
-def iter_tensors(obj: Any) -> Iterator[Tensor]:
-    """Every tensor in ``obj``: a tensor, or tuples / lists / dicts / sets of them, nested."""
-    if isinstance(obj, Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for value in obj.values():
-            yield from iter_tensors(value)
-    elif isinstance(obj, (tuple, list, set, frozenset)):
-        for value in obj:
-            yield from iter_tensors(value)
 
 
 def module_tensors(model: nn.Module) -> Iterator[Tensor]:

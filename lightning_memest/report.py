@@ -1,29 +1,38 @@
 """What an estimate reports: frozen, typed dataclasses, and their plain-data (JSON) form.
 
-Every figure here is derived from one event stream of one simulated run (see
-``lightning_memest.accounting``), so peaks, breakdowns, per-module figures and the timeline agree.
+Every figure here is derived from one event stream of one simulated run (``accounting.account`` fills
+these types), so peaks, breakdowns, per-module figures, FLOPs and the timeline agree. The module is a
+vocabulary: it imports nothing of the package but the engine's ``Phase``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, fields
-from typing import Any
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Final
 
-from lightning_memest.accounting.flops import FlopCount
-from lightning_memest.engine.step import Phase
+import torch.fx
 
-_BREAKDOWN_DOC = {
-    "parameters": "parameter storages",
-    "buffers": "buffer storages (and other tensors a module holds)",
-    "gradients": "storages that are, or become, a parameter's ``.grad``",
-    "optimizer_state": "storages the optimizer keeps in its ``state``",
-    "communication": "data parallelism's storages: DDP's gradient buckets, FSDP's unsharded parameters "
-    "and collective buffers",
-    "activations": "storages autograd saved for backward (that are none of the above)",
-    "inputs": "the batch's storages",
-    "temporaries": "everything else: intermediate results, workspaces",
-}
+from lightning_memest.engine.events import Phase
+
+__all__ = [
+    "NODE_ORDERS",
+    "Breakdown",
+    "DataDependentRead",
+    "FlopCount",
+    "GraphProfile",
+    "GraphTotals",
+    "ModuleFlops",
+    "ModuleStats",
+    "NodeProfile",
+    "OpFlops",
+    "Peak",
+    "StepEstimate",
+    "TimelinePoint",
+    "format_bytes",
+    "human_flops",
+    "render_columns",
+]
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,251 @@ class DataDependentRead:
         """The read in a user's words: ``.item()``-style scalar reads are named as such."""
         what = "a scalar read (.item(), bool(), int())" if "_local_scalar_dense" in self.op else self.op
         return f"{what} in {self.module or '(root)'} x{self.count}: assumed {self.assumed}"
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleFlops:
+    """FLOPs of one module in the first step, inclusive of its children (headline and other)."""
+
+    path: str
+    forward: int
+    backward: int
+    other_forward: int
+    other_backward: int
+
+
+@dataclass(frozen=True, slots=True)
+class OpFlops:
+    """FLOPs of one op (overload name) in the first step, over all its calls and phases."""
+
+    op: str
+    calls: int
+    flops: int
+    other: int
+
+
+@dataclass(frozen=True, slots=True)
+class FlopCount:
+    """FLOPs of the first training step; a phase that did not run (no op in it) is ``None``."""
+
+    forward: int
+    backward: int | None
+    optimizer: int | None
+    other_forward: int
+    other_backward: int | None
+    other_optimizer: int | None
+    modules: tuple[ModuleFlops, ...]
+    """Per module (inclusive of children), in the order modules first ran; ``""`` is the root."""
+    ops: tuple[OpFlops, ...]
+    """Per op with a formula, most FLOPs (headline, then other) first."""
+    uncounted: tuple[str, ...] = ()
+    """Ops whose formula could not read their call (counted as 0)."""
+
+    @property
+    def total(self) -> int:
+        """Headline FLOPs of the whole step (forward + backward + optimizer)."""
+        return self.forward + (self.backward or 0) + (self.optimizer or 0)
+
+    @property
+    def other_total(self) -> int:
+        return self.other_forward + (self.other_backward or 0) + (self.other_optimizer or 0)
+
+    def module(self, path: str) -> ModuleFlops | None:
+        """The figures of module ``path``, ``None`` when it did not run."""
+        for m in self.modules:
+            if m.path == path:
+                return m
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeProfile:
+    """What one ``torch.fx`` graph node does in a training step (``lightning_memest.fx`` says what each
+    figure means)."""
+
+    name: str
+    op: str
+    """The fx opcode: ``placeholder``, ``get_attr``, ``call_function``, ``call_method``, ``call_module``,
+    ``output`` (``outside`` for what ran outside the graph)."""
+    target: str
+    """The module path (``call_module``), method name, attribute path, or qualified function name."""
+    fwd_in: int
+    fwd_tmp: int
+    fwd_out: int
+    bwd_tmp: int
+    bwd_out: int
+    fwd_flops: int
+    bwd_flops: int
+    fwd_other_flops: int
+    bwd_other_flops: int
+
+    @property
+    def saved(self) -> int:
+        """Bytes this node keeps alive for backward: ``fwd_in + fwd_tmp``."""
+        return self.fwd_in + self.fwd_tmp
+
+    @property
+    def flops(self) -> int:
+        """Headline FLOPs of its forward and backward."""
+        return self.fwd_flops + self.bwd_flops
+
+
+@dataclass(frozen=True, slots=True)
+class GraphTotals:
+    """Sums over the nodes and :attr:`GraphProfile.outside`."""
+
+    saved_bytes: int
+    """Activation bytes of the step: equals ``estimate_step(...).modules.saved_bytes`` (first step)."""
+    fwd_flops: int
+    bwd_flops: int
+    fwd_other_flops: int
+    bwd_other_flops: int
+
+
+#: ``by`` values of :meth:`GraphProfile.table` / :meth:`GraphProfile.rows`: ``graph`` keeps the graph's
+#: order; the others sort by that figure, largest first.
+NODE_ORDERS: Final = (
+    "graph",
+    "saved",
+    "fwd_in",
+    "fwd_tmp",
+    "fwd_out",
+    "bwd_tmp",
+    "bwd_out",
+    "flops",
+    "fwd_flops",
+    "bwd_flops",
+)
+
+
+@dataclass(frozen=True)
+class GraphProfile:
+    """The node-level profile of one training step (first step; see ``fx.profile_graph``)."""
+
+    nodes: tuple[NodeProfile, ...]
+    """One per graph node, in graph order."""
+    outside: NodeProfile
+    """What ran outside the graph: the loss, the seed gradient of backward, and the like."""
+    device: str
+    precision: str
+    seconds: float
+    """Wall seconds of the simulation."""
+    graph_module: torch.fx.GraphModule = field(repr=False, compare=False)
+    """The graph that ran (the one given, or the trace of the module given); see ``fx.annotate``."""
+
+    @property
+    def totals(self) -> GraphTotals:
+        every = (*self.nodes, self.outside)
+        return GraphTotals(
+            saved_bytes=sum(n.saved for n in every),
+            fwd_flops=sum(n.fwd_flops for n in every),
+            bwd_flops=sum(n.bwd_flops for n in every),
+            fwd_other_flops=sum(n.fwd_other_flops for n in every),
+            bwd_other_flops=sum(n.bwd_other_flops for n in every),
+        )
+
+    def node(self, name: str) -> NodeProfile:
+        """The profile of the node called ``name`` (``KeyError`` if there is none)."""
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def ordered(self, by: str = "graph", top: int | None = None) -> list[NodeProfile]:
+        """The nodes in graph order (``by="graph"``) or by a figure, largest first; the first ``top``."""
+        if by not in NODE_ORDERS:
+            raise ValueError(f"by must be one of {', '.join(NODE_ORDERS)}; got {by!r}")
+        if top is not None and top < 0:
+            raise ValueError(f"top must be at least 0; got {top}")
+        nodes = list(self.nodes)
+        if by != "graph":
+            nodes.sort(key=lambda n: getattr(n, by), reverse=True)  # stable: graph order among ties
+        return nodes if top is None else nodes[:top]
+
+    def rows(self, by: str = "graph", top: int | None = None) -> list[dict[str, Any]]:
+        """Plain data, one dict per node (its fields and ``saved``), for ``--json``."""
+        return [_row(n) for n in self.ordered(by, top)]
+
+    def to_json(self, by: str = "graph", top: int | None = None) -> dict[str, Any]:
+        """``{"nodes": rows, "outside": row, "totals": {...}, "device", "precision", "seconds"}``."""
+        return {
+            "nodes": self.rows(by, top),
+            "outside": _row(self.outside),
+            "totals": asdict(self.totals),
+            "device": self.device,
+            "precision": self.precision,
+            "seconds": round(self.seconds, 4),
+        }
+
+    def table(self, top: int | None = None, by: str = "graph") -> str:
+        """A text table: one row per node (bytes in binary units, FLOPs in decimal ones), then the
+        ``(outside)`` row and the totals.
+
+        Example:
+            >>> import torch
+            >>> from lightning_memest.fx import profile_graph
+            >>> p = profile_graph(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()),
+            ...                   torch.randn(2, 8))
+            >>> print(p.table(top=1, by="saved"))
+            node       op           target  fwd_in  fwd_tmp  fwd_out  bwd_tmp  bwd_out  fwd FLOPs  bwd FLOPs
+            _1         call_module  1          0 B     64 B     64 B      0 B     64 B     0 FLOP     0 FLOP
+            (outside)  outside      loss       0 B      0 B      0 B      0 B      4 B     0 FLOP     0 FLOP
+            total                              0 B     64 B                              256 FLOP   256 FLOP
+        """
+        shown = self.ordered(by, top)
+        header = (
+            "node",
+            "op",
+            "target",
+            "fwd_in",
+            "fwd_tmp",
+            "fwd_out",
+            "bwd_tmp",
+            "bwd_out",
+            "fwd FLOPs",
+            "bwd FLOPs",
+        )
+        body = [_cells(n) for n in (*shown, self.outside)]
+        t = self.totals
+        saved_in = sum(n.fwd_in for n in (*self.nodes, self.outside))
+        total = (
+            "total",
+            "",
+            "",
+            format_bytes(saved_in),
+            format_bytes(t.saved_bytes - saved_in),
+            "",
+            "",
+            "",
+            human_flops(t.fwd_flops),
+            human_flops(t.bwd_flops),
+        )
+        return render_columns([header, *body, total], right_from=3)
+
+
+def _row(n: NodeProfile) -> dict[str, Any]:
+    row = asdict(n)
+    row["saved"] = n.saved
+    return row
+
+
+def _cells(n: NodeProfile) -> tuple[str, ...]:
+    return (
+        n.name,
+        n.op,
+        _shorten(n.target, 40),
+        format_bytes(n.fwd_in),
+        format_bytes(n.fwd_tmp),
+        format_bytes(n.fwd_out),
+        format_bytes(n.bwd_tmp),
+        format_bytes(n.bwd_out),
+        human_flops(n.fwd_flops),
+        human_flops(n.bwd_flops),
+    )
+
+
+def _shorten(text: str, width: int) -> str:
+    return text if len(text) <= width else "..." + text[-(width - 3) :]
 
 
 @dataclass(frozen=True)
@@ -221,3 +475,22 @@ def human_flops(n: int | float) -> str:
             return f"{int(value)} FLOP" if not unit else f"{value:.2f} {unit}FLOP"
         value /= 1000
     raise AssertionError("unreachable")
+
+
+def render_columns(rows: Sequence[Sequence[str]], right_from: int) -> str:
+    """Columns two spaces apart; those from ``right_from`` on right-aligned, except in the header.
+
+    >>> print(render_columns([("a", "b"), ("x", "12"), ("yy", "3")], right_from=1))
+    a   b
+    x   12
+    yy   3
+    """
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for k, r in enumerate(rows):
+        cells = [
+            c.rjust(w) if i >= right_from and k > 0 else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)

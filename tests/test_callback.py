@@ -112,10 +112,10 @@ def test_estimate_logged_and_within_two_percent_of_measured(tmp_path: Path) -> N
 def test_summary_shows_the_estimate(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: Any
 ) -> None:
-    import lightning_memest.summary as summary
+    import lightning_memest.adapter.summary as summary
 
     monkeypatch.setattr(summary, "_RICH_AVAILABLE", False)  # the plain table goes to the log
-    with caplog.at_level(logging.INFO, logger="lightning_memest.summary"):
+    with caplog.at_level(logging.INFO, logger="lightning_memest.adapter.summary"):
         fit(Classifier(), tmp_path, [MemEstimate(max_depth=2)], max_steps=1)
     text = caplog.text
     assert "Saved for bwd" in text and "Fwd FLOPs/step" in text and "Bwd FLOPs/step" in text

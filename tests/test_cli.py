@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 import torch
 
-import lightning_memest.cli as cli
-import lightning_memest.models as models
+import lightning_memest.cases as cases
+import lightning_memest.cli.commands as commands
+from lightning_memest.cases import InputSpec, build_case, build_model
 from lightning_memest.cli import main
-from lightning_memest.errors import EstimationError
-from lightning_memest.models import InputSpec, SpecError, build_case, build_model
+from lightning_memest.errors import EstimationError, SpecError
 
 TESTS = Path(__file__).resolve().parent
 MLP = ["cli_models:TinyMLP", "--input-shape", "16"]
@@ -114,7 +114,7 @@ def test_estimation_error_is_one_line_and_exit_2(
     def fail(*args: object, **kwargs: object) -> None:
         raise EstimationError("no fake kernel", op="aten.frobnicate.default", module="net.1")
 
-    monkeypatch.setattr(cli, "estimate_case", fail)
+    monkeypatch.setattr(commands, "estimate_case", fail)
     code, _, err = run(capsys, "estimate", *MLP)
     assert code == 2
     assert err == "memest: error: no fake kernel (at op aten.frobnicate.default, module 'net.1')\n"
@@ -127,7 +127,7 @@ def test_unexpected_errors_are_one_line_and_exit_1(
         raise RuntimeError("boom\nsecond line")
 
     monkeypatch.delenv("MEMEST_DEBUG", raising=False)
-    monkeypatch.setattr(cli, "measure_case", fail)
+    monkeypatch.setattr(commands, "measure_case", fail)
     code, _, err = run(capsys, "measure", *MLP)
     assert code == 1
     assert err.splitlines() == [
@@ -297,7 +297,7 @@ def test_console_script_runs() -> None:
     assert all(line.startswith("memest: [1/1] ") for line in proc.stderr.splitlines()), proc.stderr
 
 
-# ----------------------------------------------------------------------------------------- models.py
+# ------------------------------------------------------------------------------------------ cases.py
 
 
 def test_weights_none_is_passed_to_factories_that_take_weights() -> None:
@@ -337,7 +337,7 @@ def test_a_forward_that_reads_values_falls_back_to_a_real_probe() -> None:
             return super().forward(x) * scale
 
     model = ReadsValues(4, 3)
-    assert models.output_shape(model, torch.randn(6, 4)) == (6, 3)
+    assert cases.output_shape(model, torch.randn(6, 4)) == (6, 3)
 
 
 # ------------------------------------------------------------------------------------------- profile

@@ -1,4 +1,4 @@
-"""The CUDA caching allocator model (lightning_memest.allocator): hand-computed sequences for each rule.
+"""The CUDA caching allocator model (accounting/cuda_allocator.py): hand-computed sequences for each rule.
 
 Constants of c10/cuda/CUDACachingAllocator.cpp used in the comments: kMinBlockSize = 512 B,
 kSmallSize = 1 MiB, kSmallBuffer = 2 MiB, kLargeBuffer = 20 MiB, kMinLargeAlloc = 10 MiB,
@@ -14,7 +14,7 @@ import time
 import pytest
 
 import lightning_memest.accounting.cuda_allocator as allocator_module
-from lightning_memest.allocator import CudaCachingAllocator
+from lightning_memest import CudaCachingAllocator
 
 KiB = 1024
 MiB = 1024 * 1024

@@ -21,9 +21,9 @@ from lightning_memest.accounting.flops import (
     flop_formula_for,
     other_flop_formula_for,
 )
-from lightning_memest.engine.events import OpCall, OpEvent, TensorMeta
+from lightning_memest.engine.events import OpCall, OpEvent, Phase, TensorMeta
 from lightning_memest.engine.simulate import simulate
-from lightning_memest.engine.step import Phase, StepConfig
+from lightning_memest.engine.step import StepConfig
 
 aten = torch.ops.aten
 

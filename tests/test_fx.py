@@ -22,11 +22,10 @@ from lightning_memest.fx import (
     NodeProfile,
     annotate,
     annotated_graph_module,
-    module_rows,
-    module_table,
     profile_graph,
     trace,
 )
+from lightning_memest.tables import module_rows, module_table
 
 F32 = 4  # bytes per float32 element
 

@@ -5,15 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_memest.accounting.kernels import (
-    KERNEL_MODELS,
-    KernelMemory,
-    OpCall,
-    TensorMeta,
-    kernel_memory,
-    kernel_model_for,
-    register_kernel_model,
-)
+from lightning_memest.accounting.kernels import CPU_KERNELS, KernelMemory, OpCall, TensorMeta, kernel_memory
+from lightning_memest.accounting.registry import OpRegistry
 
 aten = torch.ops.aten
 
@@ -52,19 +45,23 @@ def test_tensor_meta_of_and_layouts() -> None:
     assert not TensorMeta.of(torch.empty(3, 4).t()).is_contiguous()
 
 
-def test_lookup_by_overload_then_packet() -> None:
-    assert kernel_model_for(aten.mm.default) is KERNEL_MODELS[aten.mm]
-    assert kernel_model_for(aten.relu.default) is None
+def test_lookup_by_overload_then_packet(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert CPU_KERNELS.lookup(aten.mm.default) is CPU_KERNELS.lookup(aten.mm.out) is not None
+    assert CPU_KERNELS.lookup(aten.relu.default) is None
     assert kernel_memory(call(aten.relu.default, meta(4))) is None
 
-    @register_kernel_model(aten.relu.default)
+    registry: OpRegistry[object] = OpRegistry("test kernels")
+    monkeypatch.setattr("lightning_memest.accounting.kernels.CPU_KERNELS", registry)
+
+    @registry.register(aten.relu.default)
     def fixed(c: OpCall) -> KernelMemory:
         return KernelMemory(7)
 
-    try:
-        assert kernel_memory(call(aten.relu.default, meta(4))) == KernelMemory(7)
-    finally:
-        del KERNEL_MODELS[aten.relu.default]
+    assert kernel_memory(call(aten.relu.default, meta(4))) == KernelMemory(7)
+    with pytest.raises(ValueError, match=r"a second registration for aten\.relu\.default"):
+        registry.register(aten.relu.default)(fixed)
+    with pytest.raises(TypeError, match="register an op"):
+        registry.register("aten::relu")  # type: ignore[arg-type]
 
 
 def test_mm_copies_a_stride0_operand() -> None:

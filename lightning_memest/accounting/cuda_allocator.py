@@ -21,7 +21,7 @@ retries (``release_available_cached_blocks`` and friends need a device capacity)
 ``trigger_free_memory_callbacks``.
 
 Example:
-    >>> from lightning_memest.allocator import CudaCachingAllocator
+    >>> from lightning_memest import CudaCachingAllocator
     >>> a = CudaCachingAllocator()
     >>> h = a.malloc(1000)            # rounded to 1024 B, carved from a new 2 MiB small segment
     >>> a.allocated_bytes, a.reserved_bytes
@@ -37,9 +37,10 @@ Example:
 
 from __future__ import annotations
 
-import re
 from bisect import bisect_left, insort
 from collections.abc import Sequence
+
+from lightning_memest.accounting.cuda_alloc_conf import ROUNDUP_INTERVALS, parse_alloc_conf
 
 __all__ = [
     "K_LARGE_BUFFER",
@@ -59,10 +60,9 @@ K_LARGE_BUFFER = 20_971_520  # kLargeBuffer: "'large' allocations may be packed 
 K_MIN_LARGE_ALLOC = 10_485_760  # kMinLargeAlloc: "allocations between 1 and 10 MiB may use kLargeBuffer"
 K_ROUND_LARGE = 2_097_152  # kRoundLarge: "round up large allocations to 2 MiB"
 
-_MIB = 1_048_576
 _SIZE_MAX = 2**64 - 1  # max_split_size's default: std::numeric_limits<size_t>::max()
-# AllocatorConfig: kRoundUpPowerOfTwoIntervals = 16, the intervals start at 1 MiB (2**20) and end at 64 GiB.
-_ROUNDUP_INTERVALS = 16
+# AllocatorConfig: the kRoundUpPowerOfTwoIntervals intervals start at 1 MiB (2**20) and end at 64 GiB.
+_ROUNDUP_INTERVALS = ROUNDUP_INTERVALS
 _ROUNDUP_START_LOG2 = 20
 # An expandable segment reserves virtual address space for 9/8 of the GPU's memory; the size only matters
 # once a program needs more than that, which would be an OOM anyway. 16 TiB is beyond any device.
@@ -217,31 +217,21 @@ class CudaCachingAllocator:
 
     @classmethod
     def from_alloc_conf(cls, conf: str) -> CudaCachingAllocator:
-        """An allocator configured like ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF``.
-
-        Reads ``expandable_segments``, ``max_split_size_mb``, ``max_non_split_rounding_mb`` and
-        ``roundup_power2_divisions`` (a number, or the ``[256:1,512:2,>:4]`` form, as ``parseArgs`` does);
-        other keys are skipped, as the real parser skips keys it does not know.
+        """An allocator configured like ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` (the keys
+        ``accounting/cuda_alloc_conf.py`` reads).
 
         >>> CudaCachingAllocator.from_alloc_conf("expandable_segments:True").expandable_segments
         True
         >>> CudaCachingAllocator.from_alloc_conf("max_split_size_mb:128").max_split_size
         134217728
         """
-        kwargs: dict[str, int] = {}
-        expandable = False
-        divisions: int | list[int] = 0
-        for key, value in re.findall(r"(\w+)\s*:\s*(\[[^\]]*\]|[^,]+)", conf):
-            value = value.strip()
-            if key == "expandable_segments":
-                expandable = value.lower() == "true"
-            elif key == "max_split_size_mb":
-                kwargs["max_split_size"] = int(value) * _MIB
-            elif key == "max_non_split_rounding_mb":
-                kwargs["max_non_split_rounding_size"] = int(value) * _MIB
-            elif key == "roundup_power2_divisions":
-                divisions = _parse_divisions(value)
-        return cls(expandable, roundup_power2_divisions=divisions, **kwargs)
+        conf_ = parse_alloc_conf(conf)
+        return cls(
+            conf_.expandable_segments,
+            max_split_size=conf_.max_split_size,
+            max_non_split_rounding_size=conf_.max_non_split_rounding_size,
+            roundup_power2_divisions=conf_.roundup_power2_divisions,
+        )
 
     # -- statistics -------------------------------------------------------------------------------------
 
@@ -529,28 +519,3 @@ class CudaCachingAllocator:
         self._reserved += nbytes
         if self._reserved > self._peak_reserved:
             self._peak_reserved = self._reserved
-
-
-def _parse_divisions(value: str) -> int | list[int]:
-    """``parseRoundUpPower2Divisions``: a number, or ``[boundary_mb:divisions, ..., >:divisions]``."""
-    if not value.startswith("["):
-        return int(value)
-    table = [0] * _ROUNDUP_INTERVALS
-    first_value = True
-    last_index = 0
-    for entry in value.strip("[]").split(","):
-        boundary, _, div = entry.partition(":")
-        boundary, d = boundary.strip(), int(div)
-        if boundary == ">":
-            table[last_index + 1 :] = [d] * (_ROUNDUP_INTERVALS - last_index - 1)
-            continue
-        b = int(boundary)
-        if b <= 0 or b & (b - 1):
-            raise ValueError(f"roundup_power2_divisions: the intervals have to be powers of 2, got {b}")
-        index = min(b.bit_length() - 1, _ROUNDUP_INTERVALS - 1)
-        if first_value:
-            table[:index] = [d] * index
-            first_value = False
-        table[index] = d
-        last_index = index
-    return table

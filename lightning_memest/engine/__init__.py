@@ -1,0 +1,11 @@
+"""The engine: runs training steps on fake tensors and emits one event stream; it knows nothing of
+Lightning, accounting, reports or printing.
+
+Where each concept lives: ``events.py`` (the event vocabulary, ``Phase``), ``fake.py`` (modules and
+batches to fake tensors and back), ``tracker.py`` (the dispatch mode: storage lifetimes, phases, module
+scopes -> events), ``data_dependent.py`` (the policy for reading values of fake tensors), ``step.py``
+(``StepConfig`` and the plain step runner), ``simulate.py`` (the entry point), ``distributed.py``
+(DDP/FSDP on a fake process group), ``cuda_autocast.py`` (CUDA's autocast op lists, for what-ifs).
+"""
+
+__all__: list[str] = []

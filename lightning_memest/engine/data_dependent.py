@@ -24,6 +24,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+__all__ = [
+    "Answer",
+    "answer",
+]
+
 aten = torch.ops.aten
 
 

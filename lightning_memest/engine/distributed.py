@@ -40,6 +40,21 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from lightning_memest.errors import EstimationError
 
+__all__ = [
+    "DDP",
+    "FSDP",
+    "STRATEGIES",
+    "BufferListener",
+    "Strategy",
+    "fake_process_group",
+    "fsdp_like",
+    "fsdp_units",
+    "strip_fully_shard",
+    "unsharded_buffers",
+    "untracked_sharding_propagation",
+    "wrap",
+]
+
 #: Called with storages that belong to data parallelism (buckets, unsharded parameters), to tag them.
 BufferListener = Callable[[list[Tensor]], None]
 
@@ -89,15 +104,6 @@ class FSDP:
 
 Strategy = DDP | FSDP
 STRATEGIES = ("ddp", "fsdp")
-
-
-def strategy_from_name(name: str, world_size: int, **options: Any) -> Strategy:
-    """``"ddp"`` or ``"fsdp"`` and a world size (the CLI's ``--strategy`` / ``--world-size``)."""
-    if name == "ddp":
-        return DDP(world_size, **options)
-    if name == "fsdp":
-        return FSDP(world_size, **options)
-    raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {name!r}")
 
 
 def _check_ranks(world_size: int, rank: int) -> None:

@@ -16,7 +16,32 @@ from typing import Any
 
 import torch
 
-from lightning_memest.engine.step import Phase
+__all__ = [
+    "Alloc",
+    "DataDependent",
+    "Event",
+    "Free",
+    "Mark",
+    "ModuleEnter",
+    "ModuleExit",
+    "OpCall",
+    "OpEvent",
+    "Phase",
+    "Resize",
+    "Role",
+    "Tag",
+    "TensorMeta",
+]
+
+
+class Phase(str, enum.Enum):
+    """Where in the training step an op runs."""
+
+    SETUP = "setup"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+    ZERO_GRAD = "zero_grad"
 
 
 class Role(str, enum.Enum):
@@ -177,4 +202,13 @@ class DataDependent:
     assumed: str
 
 
-Event = OpEvent | Alloc | Free | Resize | Tag | ModuleEnter | ModuleExit | DataDependent
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """A caller's label for the events that follow, until the next mark: the fx profile marks which graph
+    node runs (``owner``, its index; -1 outside the graph) and whether in its backward."""
+
+    owner: int
+    backward: bool
+
+
+Event = OpEvent | Alloc | Free | Resize | Tag | ModuleEnter | ModuleExit | DataDependent | Mark

@@ -21,7 +21,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.utils._pytree import tree_map_only
+
+from lightning_memest.batches import map_tensors
+
+__all__ = [
+    "FakeConverter",
+    "fake_module",
+    "local_tensor",
+    "resident_tensors",
+    "setattr_raw",
+]
 
 
 @dataclass
@@ -86,8 +95,8 @@ class FakeConverter:
         return value
 
     def batch(self, batch: Any) -> Any:
-        """The batch with every tensor (in nested tuples, lists, dicts) made fake."""
-        return tree_map_only(Tensor, self.tensor, batch)
+        """The batch with every tensor made fake (any structure ``batches.map_tensors`` walks)."""
+        return map_tensors(batch, self.tensor)
 
 
 @contextmanager

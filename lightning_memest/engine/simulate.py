@@ -1,7 +1,6 @@
 """Run training steps on fake tensors and return the event stream: the engine's one entry point.
 
-Knows nothing of accounting or reports: ``estimate_step`` (and later the Lightning callback and the
-batch-size search) turn the stream into numbers.
+Knows nothing of accounting or reports: ``accounting.account`` turns the stream into numbers.
 """
 
 from __future__ import annotations
@@ -11,25 +10,31 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch._dynamo
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._pytree import tree_leaves
 
+from lightning_memest.batches import iter_tensors
 from lightning_memest.engine.cuda_autocast import cuda_autocast_lists
 from lightning_memest.engine.distributed import (
     FSDP,
-    Strategy,
     fake_process_group,
     strip_fully_shard,
     untracked_sharding_propagation,
 )
 from lightning_memest.engine.events import Event, OpEvent, Role
 from lightning_memest.engine.fake import FakeConverter, fake_module, resident_tensors
-from lightning_memest.engine.step import StepConfig, StepListener, StepRunner, autocast_dtype, true_dtype
+from lightning_memest.engine.step import (
+    Precision,
+    RunnerFactory,
+    StepConfig,
+    autocast_dtype,
+    plain_runner,
+    true_dtype,
+)
 from lightning_memest.engine.tracker import (
     CaptureFilter,
     Tracker,
@@ -40,15 +45,28 @@ from lightning_memest.engine.tracker import (
 )
 from lightning_memest.errors import EstimationError
 
-
-class Runner(Protocol):
-    """Runs one training step (batch) each call: ``StepRunner`` or ``LightningRunner``."""
-
-    def run(self, batch: Any) -> object: ...
+__all__ = ["ModuleNode", "Simulation", "simulate"]
 
 
-#: Builds the runner inside the fake mode (so optimizers are created on the fake parameters).
-RunnerFactory = Callable[[nn.Module, StepListener], Runner]
+@dataclass(frozen=True)
+class ModuleNode:
+    """The module tree as the simulation found it: a module's path, class name and children (in
+    ``named_children`` order), for per-module figures that need no live model."""
+
+    path: str
+    type_name: str
+    children: tuple[ModuleNode, ...]
+
+    @staticmethod
+    def of(module: nn.Module, path: str = "") -> ModuleNode:
+        return ModuleNode(
+            path,
+            type(module).__name__,
+            tuple(
+                ModuleNode.of(child, f"{path}.{name}" if path else name)
+                for name, child in module.named_children()
+            ),
+        )
 
 
 @dataclass(frozen=True)
@@ -61,30 +79,38 @@ class Simulation:
     steps: int
     seconds: float
     """Wall seconds of the simulation (conversion to fake tensors and the steps)."""
+    precision: Precision
+    """The step's precision (``StepConfig.precision``)."""
+    modules: ModuleNode
+    """The model's module tree."""
     what_if: str | None = None
     """``"cuda"`` when CUDA was asked for on a machine without one: the step ran on fake CPU tensors
     with CUDA's optimizer defaults, and the accounting treats it as CUDA (approximate)."""
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether the step is CUDA's: simulated on a GPU, or a CUDA what-if."""
+        return self.device.type == "cuda" or self.what_if == "cuda"
 
 
 def simulate(
     model: nn.Module,
     batch: Any,
-    config: StepConfig | RunnerFactory,
+    config: StepConfig,
     *,
+    runner: RunnerFactory = plain_runner,
     device: str | torch.device | None = None,
     steps: int = 2,
     capture: CaptureFilter | None = None,
-    precision: str = "32-true",
-    strategy: Strategy | None = None,
 ) -> Simulation:
     """Run ``steps`` training steps of ``model`` on fake tensors of ``device``; record every event.
 
-    ``config`` describes the plain step (``StepRunner``), or is a factory of another runner (the
-    Lightning one; ``precision`` then says how to convert the batch and weights -- a ``StepConfig``
-    carries its own, and so does its ``strategy``). With a ``strategy`` (DDP, FSDP) the step runs as one
-    rank of it, on a fake process group (see ``engine.distributed``). ``model`` is left exactly as it
-    was (see ``engine.fake``), and so is the global RNG state. ``capture`` picks the ops whose
-    full call (argument shapes) is recorded.
+    ``config`` says what a step does (its precision converts the batch and weights for ``*-true``;
+    with a ``strategy``, DDP or FSDP, the step runs as one rank of it on a fake process group, see
+    ``engine.distributed``). ``runner`` builds what runs each step: the plain :class:`StepRunner` by
+    default, or another (the Lightning adapter's fit-loop runner), from the same config. ``model`` is
+    left exactly as it was (see ``engine.fake``), and so is the global RNG state. ``capture`` picks the
+    ops whose full call (argument shapes) is recorded.
 
     Example:
         >>> import torch
@@ -97,12 +123,10 @@ def simulate(
         raise ValueError(f"steps must be at least 1; got {steps}")
     target, what_if = _target_device(model, device)
     start = time.perf_counter()
+    modules = ModuleNode.of(model)
     tracker = Tracker(capture=capture)
     mode = TrackingFakeTensorMode(tracker)
-    make_runner = _plain_runner(config) if isinstance(config, StepConfig) else config
-    if isinstance(config, StepConfig):
-        precision = config.precision
-        strategy = config.strategy
+    precision, strategy = config.precision, config.strategy
     converter = FakeConverter(mode, target, true_dtype(precision))
     with ExitStack() as stack:
         stack.enter_context(_preserved_rng(target))
@@ -128,12 +152,12 @@ def simulate(
         stack.enter_context(module_scopes(model, tracker))
         stack.enter_context(saved_tensor_tags(tracker))
         try:
-            runner = make_runner(model, tracker)
+            step = runner(model, config, tracker)
             if strategy is not None:
                 # FSDP replaced the parameters by their shards: those are what this rank holds.
                 tracker.settle_residents(_residents(model, fake_batch))
             for _ in range(steps):
-                runner.run(fake_batch)
+                step.run(fake_batch)
         except EstimationError:
             raise
         except Exception as exc:
@@ -142,15 +166,9 @@ def simulate(
                 op=_last_op(tracker.events),
                 module=tracker.module or None,
             ) from exc
-        del runner
-    return Simulation(tracker.events, target, steps, time.perf_counter() - start, what_if)
-
-
-def _plain_runner(config: StepConfig) -> RunnerFactory:
-    def make(model: nn.Module, listener: StepListener) -> Runner:
-        return StepRunner(model, config, listener=listener)
-
-    return make
+        del step
+    seconds = time.perf_counter() - start
+    return Simulation(tracker.events, target, steps, seconds, precision, modules, what_if)
 
 
 def _target_device(model: nn.Module, device: str | torch.device | None) -> tuple[torch.device, str | None]:
@@ -210,7 +228,7 @@ def _residents(model: nn.Module, batch: Any) -> list[tuple[Tensor, Role, str]]:
         (t, Role.PARAMETER if is_param else Role.BUFFER, path)
         for path, t, is_param in resident_tensors(model)
     ]
-    found.extend((t, Role.INPUT, "") for t in tree_leaves(batch) if isinstance(t, Tensor))
+    found.extend((t, Role.INPUT, "") for t in iter_tensors(batch))
     return found
 
 

@@ -18,7 +18,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import enum
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, get_args
@@ -27,6 +26,28 @@ import torch
 from torch import Tensor, nn
 
 from lightning_memest.engine.distributed import Strategy, wrap
+from lightning_memest.engine.events import Phase
+
+__all__ = [
+    "PRECISIONS",
+    "LossFn",
+    "OptimizerFactory",
+    "Precision",
+    "Runner",
+    "RunnerFactory",
+    "StepConfig",
+    "StepListener",
+    "StepRunner",
+    "autocast",
+    "autocast_dtype",
+    "call_model",
+    "check_precision",
+    "first_output",
+    "optimizer_state_tensors",
+    "plain_runner",
+    "sum_loss",
+    "true_dtype",
+]
 
 Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
@@ -35,16 +56,6 @@ PRECISIONS: tuple[str, ...] = get_args(Precision)
 LossFn = Callable[[nn.Module, Any], Tensor]
 #: Anything that builds an optimizer from parameters: ``torch.optim.Adam`` or ``lambda ps: SGD(ps, lr=.1)``.
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
-
-
-class Phase(str, enum.Enum):
-    """Where in the training step an op runs."""
-
-    SETUP = "setup"
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    OPTIMIZER = "optimizer"
-    ZERO_GRAD = "zero_grad"
 
 
 def first_output(out: Any) -> Tensor:
@@ -130,13 +141,42 @@ class StepListener(Protocol):
 
 @dataclass(frozen=True)
 class StepConfig:
-    """What one training step does, besides the model and the batch."""
+    """What one training step does, besides the model and the batch; validated when made.
+
+    >>> StepConfig(precision="bf16")
+    Traceback (most recent call last):
+    ...
+    ValueError: precision must be one of 32-true, 16-mixed, bf16-mixed, 16-true, bf16-true; got 'bf16'
+    """
 
     loss_fn: LossFn = sum_loss
     optimizer: OptimizerFactory | None = None
     precision: Precision = "32-true"
     strategy: Strategy | None = None
     """Data parallelism (``DDP`` / ``FSDP``): the model is wrapped, and ``loss_fn`` gets the wrapper."""
+
+    def __post_init__(self) -> None:
+        check_precision(self.precision)
+        if not callable(self.loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(model, batch); got {self.loss_fn!r}")
+        if self.optimizer is not None and not callable(self.optimizer):
+            raise TypeError(f"optimizer must be an optimizer class or factory; got {self.optimizer!r}")
+
+
+class Runner(Protocol):
+    """Runs one training step (batch) each call: :class:`StepRunner`, or the Lightning adapter's."""
+
+    def run(self, batch: Any) -> object: ...
+
+
+#: Builds the runner of a simulation inside the fake mode (so that optimizers are created on the fake
+#: parameters): ``factory(model, config, listener)``.
+RunnerFactory = Callable[[nn.Module, StepConfig, StepListener], Runner]
+
+
+def plain_runner(model: nn.Module, config: StepConfig, listener: StepListener) -> StepRunner:
+    """The :data:`RunnerFactory` of the plain step (:class:`StepRunner`)."""
+    return StepRunner(model, config, listener=listener)
 
 
 class StepRunner:

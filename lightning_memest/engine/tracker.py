@@ -34,14 +34,23 @@ from lightning_memest.engine.events import (
     ModuleExit,
     OpCall,
     OpEvent,
+    Phase,
     Resize,
     Role,
     Tag,
     TensorMeta,
 )
 from lightning_memest.engine.fake import local_tensor
-from lightning_memest.engine.step import Phase
 from lightning_memest.errors import EstimationError
+
+__all__ = [
+    "CaptureFilter",
+    "Tracker",
+    "TrackingFakeTensorMode",
+    "module_scopes",
+    "saved_tensor_tags",
+    "storage_resizes",
+]
 
 #: Decides for which ops the full call (argument shapes) is recorded, for kernel models and FLOPs.
 CaptureFilter = Callable[[torch._ops.OpOverload], bool]

@@ -1,5 +1,7 @@
 """A LightningModule's training batch, run the way Lightning's fit loop runs it -- for the fake engine.
 
+(``adapter/fit.py`` reads the trainer's settings once and builds this runner from them.)
+
 What matters for memory is the order of things, and Lightning's differs from a textbook step: with
 automatic optimization the closure runs ``training_step``, *then* ``optimizer_zero_grad`` (only on the
 first batch of an accumulation window), then backward of ``loss / accumulate_grad_batches``; then
@@ -26,30 +28,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
 
-from lightning_memest.engine.distributed import DDP, Strategy, fsdp_like, wrap
+from lightning_memest.engine.distributed import DDP, Strategy, wrap
+from lightning_memest.engine.events import Phase
 from lightning_memest.engine.fake import setattr_raw
-from lightning_memest.engine.step import (
-    Phase,
-    Precision,
-    StepListener,
-    autocast,
-    check_precision,
-    optimizer_state_tensors,
-)
+from lightning_memest.engine.step import Precision, StepListener, autocast, optimizer_state_tensors
 from lightning_memest.errors import EstimationError
 
-
-def lightning_precision(trainer: pl.Trainer) -> Precision:
-    """The trainer's precision in the names the engine knows, or an ``EstimationError``."""
-    name = str(trainer.precision)
-    try:
-        return check_precision(name)
-    except ValueError:
-        raise EstimationError(f"precision {name!r} is not supported by the estimator yet") from None
+__all__ = ["LightningRunner"]
 
 
 def _loss_of(output: Any) -> Tensor | None:
@@ -259,82 +246,3 @@ class _TrainingStep(nn.Module):
 
     def forward(self, batch: Any, batch_idx: int) -> Any:
         return self.module.training_step(batch, batch_idx)
-
-
-def lightning_strategy(trainer: pl.Trainer) -> Strategy | None:
-    """The data parallelism the trainer trains with, as the simulation runs it (``None``: none).
-
-    ``DDPStrategy`` (``ddp``, ``ddp_spawn``, ...) becomes :class:`DDP` with its bucket settings, as this
-    rank. ``ModelParallelStrategy`` with FSDP2 applied in ``configure_model`` becomes the :class:`FSDP`
-    that shards the module the same way (``engine.distributed.fsdp_like``). Other sharded strategies
-    (``FSDPStrategy``'s FSDP1, DeepSpeed) are not simulated inside ``fit``: an ``EstimationError`` says
-    so (the callback turns it into one warning); ``memest estimate --strategy fsdp`` answers for them.
-    """
-    strategy = trainer.strategy
-    if isinstance(strategy, DDPStrategy):
-        kwargs = getattr(strategy, "_ddp_kwargs", {})
-        return DDP(
-            trainer.world_size,
-            rank=trainer.global_rank,
-            bucket_cap_mb=float(kwargs.get("bucket_cap_mb") or 25.0),
-            gradient_as_bucket_view=bool(kwargs.get("gradient_as_bucket_view", False)),
-        )
-    if any(cls.__name__ == "ModelParallelStrategy" for cls in type(strategy).__mro__):
-        # configure_model has applied fully_shard (FSDP2): simulated by sharding the module again.
-        fsdp = fsdp_like(trainer.lightning_module)
-        if fsdp is not None:
-            return fsdp
-    if any(cls.__name__ in _SHARDED for cls in type(strategy).__mro__):
-        raise EstimationError(
-            f"per-rank estimates under {type(strategy).__name__} are not simulated inside fit yet: the "
-            "module is already sharded at fit start (use `memest estimate --strategy fsdp --world-size N`)"
-        )
-    return None
-
-
-_SHARDED = frozenset({"FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy", "XLAFSDPStrategy"})
-
-
-def lightning_runner_factory(
-    trainer: pl.Trainer, strategy: Strategy | None = None
-) -> Callable[[nn.Module, StepListener], LightningRunner]:
-    """The runner factory ``engine.simulate`` calls, configured from the trainer's settings
-    (``strategy``: :func:`lightning_strategy`, which ``simulate`` must be given too)."""
-    precision = lightning_precision(trainer)
-
-    def make(module: nn.Module, listener: StepListener) -> LightningRunner:
-        if not isinstance(module, pl.LightningModule):
-            raise EstimationError(f"expected a LightningModule, got {type(module).__name__}")
-        return LightningRunner(
-            module,
-            listener,
-            precision=precision,
-            accumulate_grad_batches=trainer.accumulate_grad_batches,
-            gradient_clip_val=trainer.gradient_clip_val,
-            gradient_clip_algorithm=trainer.gradient_clip_algorithm,
-            step_context=trainer.precision_plugin.train_step_context,
-            strategy=strategy,
-        )
-
-    return make
-
-
-def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
-    """One batch from a fresh iterator over the train dataloader(s) the trainer will use.
-
-    Falls back to the module's ``example_input_array``. ``on_before_batch_transfer`` is applied, as
-    the fit loop would; ``on_after_batch_transfer`` runs inside the simulation, on fake tensors. The
-    global RNG is left as it was: a fresh (shuffling) iterator draws its seed from it, and training
-    must not notice.
-    """
-    source = trainer.fit_loop._data_source
-    if source.is_defined():
-        device = trainer.strategy.root_device
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-            combined = CombinedLoader(source.dataloader(), "max_size_cycle")
-            batch, _, _ = next(iter(combined))
-    elif pl_module.example_input_array is not None:
-        batch = pl_module.example_input_array
-    else:
-        raise ValueError("no train dataloader and no example_input_array to take a batch from")
-    return pl_module.on_before_batch_transfer(batch, 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_memest.models import InputSpec, build_case, estimate_case, measure_case
+from lightning_memest.cases import InputSpec, build_case, estimate_case, measure_case
 
 IMAGE = (3, 224, 224)
 CLIP = (3, 4, 56, 56)  # 4 frames of 56x56

@@ -1,8 +1,9 @@
-"""Which kernel ``F.scaled_dot_product_attention`` runs on CUDA, and what it keeps for backward.
+"""CUDA attention: which kernel ``F.scaled_dot_product_attention`` runs, and what it keeps for backward.
 
-A CPU run never goes through the CUDA dispatcher of SDPA, so a "CUDA what-if" has to predict it. This
-module is a pure model of that choice in PyTorch 2.14 (the release this project measures against) and of
-the bytes each backend's forward leaves saved for backward.
+A CPU run never goes through the CUDA dispatcher of SDPA, so a "CUDA what-if" has to predict it: this
+module registers :func:`cuda_what_if_memory` for the CPU attention op among the CUDA what-if kernel
+models (``kernels/model.py``). It is a pure model of that choice in PyTorch 2.14 (the release this
+project measures against) and of the bytes each backend's forward leaves saved for backward.
 
 Backend choice (:func:`cuda_backend`) follows ``select_sdp_backend`` in
 ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``, with the shared filters of
@@ -87,7 +88,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_memest.accounting.kernels import KernelMemory
+from lightning_memest.accounting.kernels.model import CUDA_WHAT_IF_KERNELS, Capability, KernelMemory
 from lightning_memest.engine.events import OpCall
 
 __all__ = [
@@ -298,7 +299,8 @@ def saved_bytes(call: AttentionCall, backend: str) -> int:
 CPU_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
-def cuda_what_if_memory(call: OpCall, capability: tuple[int, int] | None) -> KernelMemory | None:
+@CUDA_WHAT_IF_KERNELS.register(CPU_ATTENTION)
+def cuda_what_if_memory(call: OpCall, capability: Capability) -> KernelMemory | None:
     """In a CUDA what-if (the step ran on the CPU), what the CUDA backend would save beyond what the CPU
     kernel saved: the CPU kernel keeps a ``(B, H, L)`` fp32 logsumexp; the difference is put on that
     output. Inputs are taken to need grad (a training step).

@@ -1,4 +1,5 @@
-"""The SDPA backend-choice and saved-bytes model (``accounting/attention.py``), on hand-derived cases.
+"""The SDPA backend-choice and saved-bytes model (``accounting/kernels/cuda_attention.py``), on
+hand-derived cases.
 
 Each case cites the filter of ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` (or
 ``sdp_utils_cpp.h``) or the meta function of ``torch/_meta_registrations.py`` it comes from.
@@ -12,7 +13,12 @@ import pytest
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-from lightning_memest.accounting.attention import AttentionCall, cuda_backend, prefers_cudnn, saved_bytes
+from lightning_memest.accounting.kernels.cuda_attention import (
+    AttentionCall,
+    cuda_backend,
+    prefers_cudnn,
+    saved_bytes,
+)
 
 # Compute capabilities: A100, A10 (sm86), L4 (sm89), T4, V100, H100, B200, RTX 5090 (sm120), P100.
 A100, A10, L4, T4, V100 = (8, 0), (8, 6), (8, 9), (7, 5), (7, 0)

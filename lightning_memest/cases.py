@@ -14,7 +14,7 @@ exactly the same cases as the command line:
 :func:`measure_case` run the estimator and the ground truth on it.
 
 Example:
-    >>> from lightning_memest.models import InputSpec, build_case, measure_case
+    >>> from lightning_memest.cases import InputSpec, build_case, measure_case
     >>> case = build_case("torch.nn:Linear", InputSpec(batch_size=4, shape=(8,)),
     ...                   model_kwargs={"in_features": 8, "out_features": 3}, optimizer="sgd")
     >>> [tuple(t.shape) for t in case.batch]  # the input, and the cross-entropy target
@@ -32,13 +32,14 @@ import inspect
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_memest.accounting.cuda_device import CudaDevice
+from lightning_memest.batches import resize_batch
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.step import (
     LossFn,
@@ -50,11 +51,10 @@ from lightning_memest.engine.step import (
     sum_loss,
     true_dtype,
 )
-from lightning_memest.errors import MemestError
-
-if TYPE_CHECKING:
-    from lightning_memest.measure import Measurement
-    from lightning_memest.report import StepEstimate
+from lightning_memest.errors import SpecError
+from lightning_memest.estimate import estimate_step
+from lightning_memest.measure import Measurement, measure_step
+from lightning_memest.report import StepEstimate
 
 __all__ = [
     "DEFAULT_BATCH_SIZE",
@@ -67,6 +67,7 @@ __all__ = [
     "SpecError",
     "build_case",
     "build_model",
+    "case_batch_maker",
     "cross_entropy_loss",
     "estimate_case",
     "make_optimizer",
@@ -85,10 +86,6 @@ DEFAULT_LOSS: LossName = "cross_entropy"
 #: Adam, because it is what most training runs use and because its state (two buffers per parameter,
 #: created inside the first ``step()``) is what makes the first step differ from the steady state.
 DEFAULT_OPTIMIZER: OptimizerName = "adam"
-
-
-class SpecError(MemestError):
-    """A setting that cannot make a case: an unknown model, a bad shape, an input the model rejects."""
 
 
 # --------------------------------------------------------------------------------------------- models
@@ -432,8 +429,6 @@ def estimate_case(
     ``estimate_step`` converts for ``*-true`` precisions and places the fake tensors on ``device``
     itself, so the CPU float32 model and batch go in as they are.
     """
-    from lightning_memest.estimate import estimate_step
-
     return estimate_step(
         case.model,
         case.batch,
@@ -453,8 +448,6 @@ def measure_case(case: Case, *, device: str = "cpu", steps: int = 2) -> Measurem
     For ``*-true`` precisions the model and the float inputs are converted first (``measure_step``
     expects that of its caller); for ``cuda`` they are moved to the current CUDA device.
     """
-    from lightning_memest.measure import measure_step
-
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise SpecError("cannot measure on cuda: CUDA is not available on this machine")
@@ -475,3 +468,16 @@ def measure_case(case: Case, *, device: str = "cpu", steps: int = 2) -> Measurem
         # (token ids beyond an embedding's size, say): a problem of the case, not of the measurement.
         message = " ".join(str(e).split()) or type(e).__name__
         raise SpecError(f"the real training step failed: {type(e).__name__}: {message}") from e
+
+
+def case_batch_maker(case: Case) -> Callable[[int], Any]:
+    """``make_batch`` for a :class:`Case`: its batch (the input, and the
+    cross-entropy target made from the output's shape) resized on the meta device.
+
+    >>> case = build_case("torch.nn:Linear", InputSpec(batch_size=4, shape=(8,)),
+    ...                   model_kwargs={"in_features": 8, "out_features": 3})
+    >>> [tuple(t.shape) for t in case_batch_maker(case)(100)]
+    [(100, 8), (100,)]
+    """
+    old = case.input.batch_size
+    return lambda n: resize_batch(case.batch, old, n)

@@ -22,6 +22,8 @@ from lightning.pytorch.utilities.model_summary.model_summary import (
 
 from lightning_memest.report import ModuleStats, StepEstimate, format_bytes
 
+__all__ = ["SAVED_HEADER", "estimate_columns", "footer_items", "render_summary"]
+
 log = logging.getLogger(__name__)
 
 Column = tuple[str, list[str]]

@@ -316,7 +316,9 @@ def test_activation_checkpointing_matches_the_real_step() -> None:
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_peak_bytes_without_the_report_is_the_reported_peak(device: str) -> None:
-    from lightning_memest.estimate import peak_bytes, simulate_step
+    from lightning_memest.accounting import capture_filter, peak_bytes
+    from lightning_memest.engine.simulate import simulate
+    from lightning_memest.engine.step import StepConfig
 
     if device == "cuda" and torch.cuda.is_available():
         pytest.skip("the what-if is for machines without a GPU")
@@ -325,5 +327,6 @@ def test_peak_bytes_without_the_report_is_the_reported_peak(device: str) -> None
     )
     batch = torch.randn(4, 3, 16, 16)
     est = estimate_step(model, batch, optimizer=torch.optim.AdamW, device=device)
-    sim = simulate_step(model, batch, optimizer=torch.optim.AdamW, device=device, flops=False)
+    config = StepConfig(optimizer=torch.optim.AdamW)
+    sim = simulate(model, batch, config, device=device, capture=capture_filter(flops=False))
     assert peak_bytes(sim) == est.peak_bytes

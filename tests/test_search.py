@@ -1,5 +1,5 @@
-"""The batch-size search, the pre-check and FitBatchSize: against the estimator, the CPU ground truth,
-the command line and a real ``Trainer.fit``."""
+"""The batch-size search (search.py): against hand-made peak models, the estimator, the CPU ground truth
+and the command line, alone and with its worker process."""
 
 from __future__ import annotations
 
@@ -7,26 +7,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch import nn
 
 from lightning_memest import estimate_step
-from lightning_memest.batch_size import (
-    FitBatchSize,
-    case_batch_maker,
-    max_batch_size,
-    parse_size,
-    precheck,
-    resize_batch,
-    search_batch_size,
-)
+from lightning_memest.cases import InputSpec, build_case, case_batch_maker, estimate_case, measure_case
 from lightning_memest.cli import main
-from lightning_memest.errors import EstimationError, MemoryBudgetError
-from lightning_memest.models import InputSpec, build_case, estimate_case, measure_case
+from lightning_memest.errors import EstimationError
+from lightning_memest.search import max_batch_size, search_batch_size
 
 TESTS = Path(__file__).parent
 
@@ -82,24 +71,6 @@ def test_probe_errors_name_the_batch_size() -> None:
     with pytest.raises(EstimationError, match="at batch size 8: boom") as info:
         search_batch_size(peak, 100)
     assert info.value.op == "aten.mm"
-
-
-def test_parse_size() -> None:
-    assert parse_size("10GiB") == 10 * 2**30
-    assert parse_size("1.5GB") == 1_500_000_000
-    assert parse_size("512 mib") == 512 * 2**20
-    assert parse_size("123") == 123
-    for bad in ("", "GiB", "-1GiB", "1.5XB", "0", "nan"):
-        with pytest.raises(ValueError):
-            parse_size(bad)
-
-
-def test_resize_batch_keeps_other_tensors_and_layout() -> None:
-    x = torch.zeros(4, 3, 8, 8).to(memory_format=torch.channels_last)
-    out = resize_batch({"x": x, "mask": torch.zeros(7), "k": 3}, 4, 1000)
-    assert out["x"].shape == (1000, 3, 8, 8) and out["x"].device.type == "meta"
-    assert out["x"].is_contiguous(memory_format=torch.channels_last)
-    assert out["mask"].shape == (7,) and out["k"] == 3
 
 
 # ---------------------------------------------------------------------- exact, and right on CPU
@@ -201,132 +172,10 @@ def test_cli_nothing_fits(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
     assert "even batch size 1 is over the memory budget" in err
 
 
-# ------------------------------------------------------------------------------------ the pre-check
-
-
-def test_precheck_messages() -> None:
-    est = estimate_step(nn.Linear(100, 100), torch.randn(64, 100), optimizer=torch.optim.Adam)
-    ok = precheck(est, est.peak_bytes, batch_size=64)
-    assert ok.fits and "within" in ok.message
-    calls: list[int] = []
-
-    def best() -> int:
-        calls.append(1)
-        return 17
-
-    bad = precheck(est, est.peak_bytes - 1, batch_size=64, max_fit=best)
-    assert not bad.fits and bad.max_batch_size == 17 and calls == [1]
-    for part in (f"{est.peak_bytes:,} B", f"{est.peak_bytes - 1:,} B", "batch size 64", "fits is 17"):
-        assert part in bad.message
-    err = bad.error()
-    assert isinstance(err, MemoryBudgetError) and str(err) == bad.message
-    assert (err.peak_bytes, err.batch_size, err.max_batch_size) == (est.peak_bytes, 64, 17)
-
-
-# ------------------------------------------------------------------------- FitBatchSize in a real fit
-
-
-class Net(pl.LightningModule):
-    def __init__(self, batch_size: int = 4, *, hparam: bool = False) -> None:
-        super().__init__()
-        if hparam:
-            self.save_hyperparameters()
-        else:
-            self.batch_size = batch_size
-        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
-
-    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.parameters())
-
-
-def _data() -> TensorDataset:
-    g = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(512, 64, generator=g), torch.randint(0, 10, (512,), generator=g))
-
-
-class WithLoader(Net):
-    def train_dataloader(self) -> DataLoader[Any]:
-        size = self.hparams.get("batch_size") or self.batch_size  # hparams, or the attribute
-        return DataLoader(_data(), batch_size=size)
-
-
-class Data(pl.LightningDataModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.batch_size = 4
-
-    def train_dataloader(self) -> DataLoader[Any]:
-        return DataLoader(_data(), batch_size=self.batch_size)
-
-
-class Seen(pl.Callback):
-    """The sizes of the real batches (the estimator's fake runs call training_step, not this hook)."""
-
-    def __init__(self) -> None:
-        self.sizes: list[int] = []
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self.sizes.append(batch[0].shape[0])
-
-
-def _fit(module: pl.LightningModule, callback: FitBatchSize, datamodule: Any = None) -> list[int]:
-    seen = Seen()
-    trainer = pl.Trainer(
-        callbacks=[callback, seen], max_steps=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
-    )  # fmt: skip
-    trainer.fit(module, datamodule=datamodule)
-    assert trainer.train_dataloader is not None
-    return seen.sizes
-
-
-BUDGET = 2**20  # about 1 MiB: the answer is a few dozen samples
-
-
-@pytest.mark.parametrize("where", ["attribute", "hparams", "datamodule"])
-def test_fit_batch_size_sets_the_dataloader(where: str) -> None:
-    callback = FitBatchSize(BUDGET, margin=0.0)
-    if where == "datamodule":
-        module: Net = Net()
-        del module.batch_size
-        data: Data | None = Data()
-    else:
-        module, data = WithLoader(hparam=where == "hparams"), None
-    seen = _fit(module, callback, data)
-    r = callback.result
-    assert r is not None and 4 < r.max_batch_size < 512
-    assert seen == [r.max_batch_size]
-    holder: Any = data if data is not None else (module.hparams if where == "hparams" else module)
-    value = holder["batch_size"] if where == "hparams" else holder.batch_size
-    assert value == r.max_batch_size
-    # Exact with respect to the Lightning estimator: the next size is over the budget.
-    assert dict(r.probes)[r.max_batch_size] <= BUDGET < dict(r.probes)[r.max_batch_size + 1]
-
-
-def test_fit_batch_size_raises_before_any_step() -> None:
-    seen = Seen()
-    trainer = pl.Trainer(
-        callbacks=[FitBatchSize("16KiB"), seen],
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        accelerator="cpu",
-    )
-    with pytest.raises(MemoryBudgetError, match="even batch size 1") as info:
-        trainer.fit(WithLoader())
-    assert info.value.batch_size == 4 and info.value.max_batch_size == 0
-    assert seen.sizes == []
-
-
 _PARALLEL = r"""
 import json, sys, torch
 sys.path.insert(0, sys.argv[1])
-from lightning_memest.batch_size import max_batch_size
+from lightning_memest.search import max_batch_size
 from models import TinyGPT
 model = TinyGPT(n_layers=2)
 r = max_batch_size(
@@ -360,7 +209,7 @@ def test_probes_in_a_worker_process_give_the_same_answer() -> None:
 def test_a_worker_forked_after_a_simulation_steps_aside() -> None:
     # Autograd cannot run in a child forked after this process ran backward on fake tensors: the
     # worker says so at once and the search runs alone, with the same answer.
-    from lightning_memest.batch_size import _Worker
+    from lightning_memest.search import _Worker
 
     estimate_step(nn.Linear(8, 8), torch.randn(2, 8), optimizer=torch.optim.SGD)
     worker = _Worker(lambda n: n)
@@ -368,32 +217,3 @@ def test_a_worker_forked_after_a_simulation_steps_aside() -> None:
     worker.close()
     r = search_batch_size(lambda n: 1000 + 37 * n, 10_000, start=16, workers=2)
     assert (r.max_batch_size, len(r.probes)) == (243, 4)
-
-
-class SeenOnDisk(pl.Callback):
-    """Each rank writes the size of its first real batch (spawned workers share no memory with us)."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        (self.folder / f"rank{trainer.global_rank}").write_text(str(batch[0].shape[0]))
-
-
-def test_fit_batch_size_under_ddp_counts_the_buckets(tmp_path: Path) -> None:
-    # Two CPU processes (gloo): each rank searches as a DDP rank (its gradient buckets count, one more
-    # copy of the parameters), on a fake group of its own (no collective to deadlock on), and all take
-    # the smallest answer. The buckets leave less room than a single process has.
-    single = FitBatchSize(BUDGET, margin=0.0)
-    _fit(WithLoader(), single)
-    assert single.result is not None
-    trainer = pl.Trainer(
-        callbacks=[FitBatchSize(BUDGET, margin=0.0), SeenOnDisk(tmp_path)], max_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        accelerator="cpu", devices=2, strategy="ddp_spawn",
-    )  # fmt: skip
-    trainer.fit(WithLoader())
-    sizes = {int((tmp_path / f"rank{r}").read_text()) for r in (0, 1)}
-    assert len(sizes) == 1
-    (ddp_size,) = sizes
-    assert 4 < ddp_size < single.result.max_batch_size

@@ -1,4 +1,5 @@
-"""The estimate in TensorBoard: a custom-scalars layout, markdown tables and the timeline figure.
+"""The estimate in TensorBoard: a custom-scalars layout, markdown tables, the timeline figure, and the
+figures in the HParams tab.
 
 Everything goes through the ``SummaryWriter`` of Lightning's ``TensorBoardLogger``
 (``logger.experiment``); scalars themselves are logged by the callback like any metric.
@@ -9,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from lightning.pytorch.loggers import TensorBoardLogger
 from matplotlib.figure import Figure
 
-from lightning_memest.engine.step import Phase
+from lightning_memest.engine.events import Phase
 from lightning_memest.report import ModuleStats, StepEstimate, format_bytes, human_flops
 
 _PHASE_COLOURS = {
@@ -21,6 +23,16 @@ _PHASE_COLOURS = {
     Phase.ZERO_GRAD: "#8C8C8C",
 }
 _LAYOUT_FLAG = "_memest_layout_registered"
+_PEAK_NAMES = ("first_step", "steady_state")
+
+__all__ = [
+    "breakdown_markdown",
+    "log_estimate",
+    "log_to_tensorboard",
+    "register_layout",
+    "timeline_figure",
+    "top_modules_markdown",
+]
 
 
 def register_layout(writer: Any) -> None:
@@ -131,3 +143,22 @@ def log_to_tensorboard(
     writer.add_text("memest/breakdown", breakdown_markdown(estimate, measured), global_step=step)
     writer.add_text("memest/top_modules", top_modules_markdown(estimate), global_step=step)
     writer.add_figure("memest/timeline", timeline_figure(estimate, measured), global_step=step)
+
+
+def log_estimate(
+    logger: TensorBoardLogger, estimate: StepEstimate, measured: Sequence[int] | None, *, final: bool
+) -> None:
+    """Everything of the estimate a ``TensorBoardLogger`` shows beyond scalars; ``final`` once the
+    measured peaks (``measured``, per step) are in: then also the HParams record."""
+    log_to_tensorboard(logger.experiment, estimate, measured, step=len(measured or ()))
+    if not final or measured is None:
+        return
+    # Own tags: log_hyperparams logs its metrics at step 0, which would make TensorBoard drop the later
+    # points of the same tags.
+    metrics = {
+        f"hparams/memest_{_PEAK_NAMES[step]}_{key}": float(value)
+        for step, peak in enumerate(measured)
+        for key, value in (("estimated_bytes", estimate.peaks[step].bytes), ("measured_bytes", peak))
+    }
+    params = {"memest/device": estimate.device, "memest/precision": estimate.precision}
+    logger.log_hyperparams(params, metrics)

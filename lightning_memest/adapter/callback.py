@@ -15,28 +15,22 @@ from typing import Any, Literal, TypeVar
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelSummary
-from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_leaves
 from typing_extensions import override
 
-from lightning_memest.batch_size import (
-    batch_size_of,
-    device_budget,
-    lightning_max_batch_size,
-    parse_size,
-    precheck,
-)
+from lightning_memest.adapter.fit import FitSetup, fit_setup
+from lightning_memest.adapter.loggers import log_figures
+from lightning_memest.adapter.summary import estimate_columns, footer_items, render_summary
+from lightning_memest.batches import batch_size_of, iter_tensors
+from lightning_memest.budget import device_budget, parse_size, precheck
 from lightning_memest.engine.fake import local_tensor
 from lightning_memest.engine.step import optimizer_state_tensors
-from lightning_memest.estimate import estimate_lightning_step
-from lightning_memest.lightning_step import first_batch
 from lightning_memest.measure import StepProbe, module_tensors, resident_bytes
 from lightning_memest.report import StepEstimate, format_bytes
-from lightning_memest.summary import estimate_columns, footer_items, render_summary
-from lightning_memest.tensorboard import log_to_tensorboard
+
+__all__ = ["CHECKED_STEPS", "MeasuredStep", "MemEstimate"]
 
 _T = TypeVar("_T")
 
@@ -80,7 +74,7 @@ class MemEstimate(ModelSummary):
     Before the first step it also compares the estimated peak with the memory the device has
     (``memory_check``: ``"warn"`` (default), ``"raise"`` -- a ``MemoryBudgetError`` that stops fit
     before any real step and names the largest batch size that fits --, or ``"off"``). The budget is
-    ``memory_budget`` (bytes or ``"10GiB"``) or what ``batch_size.device_budget`` finds: CUDA's free
+    ``memory_budget`` (bytes or ``"10GiB"``) or what ``budget.device_budget`` finds: CUDA's free
     memory less ``memory_margin_bytes`` and the caching allocator's overhead, or the CPU's available
     memory.
 
@@ -113,7 +107,6 @@ class MemEstimate(ModelSummary):
         self.memory_check = memory_check
         self.memory_budget = memory_budget
         self.memory_margin_bytes = memory_margin_bytes
-        self._batch: Any = None
         self.estimate: StepEstimate | None = None
         """The estimate made on fit start (``None`` before, or if it failed)."""
         self.measured: list[MeasuredStep] = []
@@ -157,32 +150,31 @@ class MemEstimate(ModelSummary):
         # Estimated here rather than in setup: configure_model has run, the precision plugin has
         # converted the module, and the strategy knows its device.
         start = time.perf_counter()
-        self.estimate = self._safely("estimating", lambda: self._estimate(trainer, pl_module))
+        fit = self._safely("reading the trainer and a training batch", lambda: fit_setup(trainer, pl_module))
+        if fit is not None:
+            self.estimate = self._safely("estimating", lambda: fit.estimate(steps=CHECKED_STEPS))
         self.setup_seconds = time.perf_counter() - start
         if self.estimate is not None:
             _set_flops_per_batch(pl_module, self.estimate)
             self._log_estimate(trainer, self.estimate)
         if self._max_depth:
             self._safely("printing the model summary", lambda: self._print_summary(trainer, pl_module))
-        if self.estimate is not None and self.memory_check != "off":
+        if fit is not None and self.estimate is not None and self.memory_check != "off":
             # Not through _safely: with memory_check="raise" the error must stop fit before any step.
-            self._precheck(trainer, pl_module, self.estimate)
-        self._batch = None
+            self._precheck(fit, trainer, self.estimate)
 
-    def _precheck(self, trainer: pl.Trainer, pl_module: pl.LightningModule, estimate: StepEstimate) -> None:
-        device = trainer.strategy.root_device
+    def _precheck(self, fit: FitSetup, trainer: pl.Trainer, estimate: StepEstimate) -> None:
         if self.memory_budget is not None:
             budget = (
                 parse_size(self.memory_budget) if isinstance(self.memory_budget, str) else self.memory_budget
             )
         else:
-            resident = resident_bytes(module_tensors(pl_module)) if device.type == "cpu" else 0
-            budget = device_budget(device, margin_bytes=self.memory_margin_bytes, resident_bytes=resident)
-        batch = self._batch
-        size = batch_size_of(batch)
+            resident = resident_bytes(module_tensors(fit.module)) if fit.device.type == "cpu" else 0
+            budget = device_budget(fit.device, margin_bytes=self.memory_margin_bytes, resident_bytes=resident)
+        size = batch_size_of(fit.batch)
 
         def max_fit() -> int:
-            return lightning_max_batch_size(trainer, pl_module, batch, budget, batch_size=size).max_batch_size
+            return fit.max_batch_size(budget, batch_size=size).max_batch_size
 
         result = precheck(estimate, budget, batch_size=size, max_fit=max_fit)
         # Under DDP every rank must decide alike, or the ranks that go on would wait for the others.
@@ -191,11 +183,6 @@ class MemEstimate(ModelSummary):
         if self.memory_check == "raise":
             raise result.error()
         rank_zero_warn(f"MemEstimate: {result.message}")
-
-    def _estimate(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> StepEstimate:
-        batch = first_batch(trainer, pl_module)
-        self._batch = batch  # for the memory pre-check's batch-size search
-        return estimate_lightning_step(trainer, pl_module, batch, steps=CHECKED_STEPS)
 
     def _print_summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         summary = self._summary(trainer, pl_module)
@@ -302,23 +289,7 @@ class MemEstimate(ModelSummary):
         if estimate is None or not trainer.is_global_zero:
             return
         measured = [m.peak_bytes for m in self.measured] if final else None
-        for logger in trainer.loggers:
-            if not isinstance(logger, TensorBoardLogger):
-                continue
-            log_to_tensorboard(logger.experiment, estimate, measured, step=len(self.measured))
-            if final:
-                # Own tags: log_hyperparams logs its metrics at step 0, which would make TensorBoard
-                # drop the later points of the same tags.
-                metrics = {
-                    f"hparams/memest_{_PEAK_NAMES[m.step - 1]}_{key}": float(value)
-                    for m in self.measured
-                    for key, value in (
-                        ("estimated_bytes", m.estimated_bytes),
-                        ("measured_bytes", m.peak_bytes),
-                    )
-                }
-                params = {"memest/device": estimate.device, "memest/precision": estimate.precision}
-                logger.log_hyperparams(params, metrics)
+        log_figures(trainer.loggers, estimate, measured, final=final)
 
     def _log_measured(self, trainer: pl.Trainer, measured: MeasuredStep) -> None:
         name = _PEAK_NAMES[measured.step - 1]
@@ -390,7 +361,7 @@ def _resident_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch:
     # Plain tensor attributes count too: a cache a module made in the first step (a positional
     # encoding) is resident in the second.
     state = [local_tensor(t) for optimizer in trainer.optimizers for t in optimizer_state_tensors(optimizer)]
-    return [*module_tensors(pl_module), *state, *(t for t in tree_leaves(batch) if isinstance(t, Tensor))]
+    return [*module_tensors(pl_module), *state, *iter_tensors(batch)]
 
 
 def _max_over_ranks(trainer: pl.Trainer, result: tuple[int, int | None]) -> tuple[int, int | None]:

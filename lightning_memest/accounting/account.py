@@ -1,0 +1,201 @@
+"""Events -> ``StepEstimate``: the accounting of a simulation, composed in one place.
+
+:func:`account` walks the simulation's event stream once with the observers that make the report --
+live bytes with the models of the kernels that ran (``accounting.kernels.kernel_fn``), FLOPs,
+per-module figures, the tensor values read, and on CUDA the caching allocator model configured as this
+process's would be (``PYTORCH_CUDA_ALLOC_CONF``) with the libraries' workspaces and the kernel models
+of the device accounted for -- and builds the report. :func:`peak_bytes` and :func:`peak_profile` are
+the cheap forms the batch-size search needs. :func:`capture_filter` tells the engine which ops' full
+calls the accounting will read.
+
+Example:
+    >>> import torch
+    >>> from lightning_memest.engine.simulate import simulate
+    >>> from lightning_memest.engine.step import StepConfig
+    >>> model, batch = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    >>> sim = simulate(model, batch, StepConfig(), capture=capture_filter(flops=True))
+    >>> est = account(sim)
+    >>> est.peak_bytes == peak_bytes(sim), est.flops.forward  # 2 x 4 x 8 x 8
+    (True, 512)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch._ops import OpOverload
+
+from lightning_memest.accounting.attribution import DataDependentReads, ModuleFigures, module_tree
+from lightning_memest.accounting.cuda_alloc_conf import environment_alloc_conf
+from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
+from lightning_memest.accounting.cuda_device import DEFAULT_CONTEXT_BYTES, CudaDevice, library_workspace
+from lightning_memest.accounting.flops import FlopObserver, captures_flops
+from lightning_memest.accounting.kernels import KernelFn, captures_kernel, kernel_fn
+from lightning_memest.accounting.replay import (
+    ROLE_ORDER,
+    CachingAllocatorReplay,
+    LiveBytes,
+    Observer,
+    StepPeak,
+    final_roles,
+    walk,
+)
+from lightning_memest.engine.events import Phase, Role
+from lightning_memest.engine.simulate import Simulation
+from lightning_memest.engine.tracker import CaptureFilter
+from lightning_memest.report import Breakdown, Peak, StepEstimate, TimelinePoint
+
+__all__ = ["PeakProfile", "account", "capture_filter", "peak_bytes", "peak_profile"]
+
+
+def capture_filter(*, flops: bool) -> CaptureFilter:
+    """The ops whose full call the accounting reads: those with a kernel model, and with ``flops``
+    those with a FLOP formula (``flops=False`` for callers that need only memory, such as the
+    batch-size search)."""
+    return _with_flops if flops else captures_kernel
+
+
+def _with_flops(op: OpOverload) -> bool:
+    return captures_kernel(op) or captures_flops(op)
+
+
+def _gpu(sim: Simulation, gpu: CudaDevice | None) -> CudaDevice:
+    if gpu is not None:
+        return gpu
+    if sim.device.type == "cuda":
+        return CudaDevice.local(sim.device)
+    if torch.cuda.is_available():  # a what-if on a GPU machine (to measure it): this GPU's capability
+        return dataclasses.replace(
+            CudaDevice.local(torch.device("cuda")), context_bytes=DEFAULT_CONTEXT_BYTES
+        )
+    return CudaDevice()
+
+
+def _caching_allocator(sim: Simulation, gpu: CudaDevice, kernels: KernelFn) -> CachingAllocatorReplay:
+    """The caching allocator configured as this process's would be (``PYTORCH_CUDA_ALLOC_CONF``),
+    with the libraries' workspaces of ``gpu``."""
+    return CachingAllocatorReplay(
+        CudaCachingAllocator.from_alloc_conf(environment_alloc_conf()),
+        sim.steps,
+        kernels,
+        lambda op: library_workspace(op, gpu.capability),
+    )
+
+
+@dataclass
+class _Memory:
+    """The memory observers of a simulation: exact live bytes, and on CUDA the caching allocator."""
+
+    live: LiveBytes
+    device: CachingAllocatorReplay | None
+    gpu: CudaDevice | None
+
+    @staticmethod
+    def of(sim: Simulation, gpu: CudaDevice | None, roles: dict[int, Role] | None = None) -> _Memory:
+        # The exact live bytes follow the kernels that ran (a what-if ran CPU ones); the device
+        # allocator, the kernels of the device accounted for.
+        live = LiveBytes(
+            final_roles(sim.events) if roles is None else roles,
+            sim.steps,
+            kernel_fn(sim.device.type, what_if=False),
+        )
+        cuda = _gpu(sim, gpu) if sim.is_cuda else None
+        if cuda is None:
+            return _Memory(live, None, None)
+        kernels = kernel_fn("cuda", what_if=sim.what_if is not None, capability=cuda.capability)
+        return _Memory(live, _caching_allocator(sim, cuda, kernels), cuda)
+
+    @property
+    def observers(self) -> tuple[Observer, ...]:
+        return (self.live,) if self.device is None else (self.live, self.device)
+
+    def peak(self) -> int:
+        """The largest peak: the caching allocator's on CUDA (whole blocks), else the exact one."""
+        if self.device is not None:
+            return max(self.device.peaks.allocated)
+        return max(p.live_bytes for p in self.live.peaks)
+
+
+def peak_bytes(sim: Simulation, gpu: CudaDevice | None = None) -> int:
+    """The largest peak over a simulation's steps, exactly as ``StepEstimate.peak_bytes`` would say,
+    without building the report (``gpu``: the GPU of a CUDA simulation, as in ``estimate_step``)."""
+    memory = _Memory.of(sim, gpu)
+    walk(sim.events, *memory.observers)
+    return memory.peak()
+
+
+@dataclass(frozen=True)
+class PeakProfile:
+    """A simulation's peak (as :func:`peak_bytes`) and its memory curve: the exact live bytes at each
+    op's high point after setup, in op order. Two profiles of one model at different batch sizes run
+    the same ops, so each point of the curve is (nearly) affine in the batch size: the batch-size
+    search predicts the peak at any size as the highest of those lines, where the peak moves from
+    the optimizer step to the backward pass as the batch grows."""
+
+    peak: int
+    curve: tuple[int, ...]
+
+
+def peak_profile(sim: Simulation, gpu: CudaDevice | None = None) -> PeakProfile:
+    """:func:`peak_bytes` and the memory curve of ``sim`` (see :class:`PeakProfile`), in one walk."""
+    memory = _Memory.of(sim, gpu)
+    walk(sim.events, *memory.observers)
+    curve = tuple(s.live_bytes for s in memory.live.samples if s.event.phase is not Phase.SETUP)
+    return PeakProfile(memory.peak(), curve)
+
+
+def account(sim: Simulation, gpu: CudaDevice | None = None) -> StepEstimate:
+    """The report of a simulation: peaks with their breakdowns, per-module figures, the timeline, FLOPs
+    (of the ops the engine captured: simulate with ``capture_filter(flops=True)``), the tensor values
+    read, and on CUDA the allocator's and the device's figures (``gpu`` as in ``estimate_step``)."""
+    roles = final_roles(sim.events)
+    memory = _Memory.of(sim, gpu, roles)
+    flops = FlopObserver()
+    modules = ModuleFigures(roles)
+    reads = DataDependentReads()
+    walk(sim.events, *memory.observers, flops, modules, reads)
+    live = memory.live
+    peaks = tuple(_peak(p) for p in live.peaks)
+    reserved: tuple[int, ...] | None = None
+    context: int | None = None
+    if memory.device is not None and memory.gpu is not None:
+        # What torch.cuda.max_memory_allocated/reserved count; the breakdown stays in exact bytes.
+        device_peaks = memory.device.peaks
+        peaks = tuple(
+            dataclasses.replace(p, bytes=b) for p, b in zip(peaks, device_peaks.allocated, strict=False)
+        )
+        reserved = device_peaks.reserved
+        context = memory.gpu.context_bytes
+    return StepEstimate(
+        device="cuda" if sim.what_if == "cuda" else str(sim.device),
+        precision=sim.precision,
+        peaks=peaks,
+        modules=module_tree(sim.modules, modules, live.samples, flops.count),
+        timeline=tuple(
+            TimelinePoint(
+                s.event.index, s.event.step + 1, s.event.phase, s.event.module, s.event.op, s.live_bytes
+            )
+            for s in live.samples
+        ),
+        data_dependent=reads.reads,
+        reserved_bytes=reserved,
+        flops=flops.count,
+        estimate_seconds=sim.seconds,
+        approximate=sim.what_if is not None,
+        cuda_context_bytes=context,
+    )
+
+
+def _peak(p: StepPeak) -> Peak:
+    values = dict(zip([r.value for r in ROLE_ORDER] + ["temporaries"], p.by_role, strict=True))
+    return Peak(
+        step=p.step + 1,
+        bytes=p.live_bytes,
+        breakdown=Breakdown(**values),
+        op_index=p.event.index,
+        op=p.event.op,
+        phase=p.event.phase,
+        module=p.event.module,
+    )

@@ -1,0 +1,193 @@
+"""The trainer, read once: what a fit does with a training batch, and the estimator's entry points for it.
+
+:func:`fit_setup` reads everything the simulation needs from a ``Trainer`` -- the precision, the
+strategy (as the engine's ``DDP``/``FSDP``), the device, gradient accumulation and clipping, the
+precision plugin's step context, a training batch -- into a frozen :class:`FitSetup`. Its methods are
+what the callbacks call: :meth:`FitSetup.estimate` (the training batch's ``StepEstimate``),
+:meth:`FitSetup.simulate`, and :meth:`FitSetup.max_batch_size` (the batch-size search over the module's
+own ``training_step``). :func:`first_batch` takes one batch of the train dataloader as the fit loop
+would.
+
+Example (in a callback's ``on_fit_start``, where the module is attached and on its device)::
+
+    estimate = fit_setup(trainer, pl_module).estimate()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import CombinedLoader
+from torch import nn
+
+from lightning_memest.accounting import PeakProfile, account, capture_filter, peak_profile
+from lightning_memest.adapter.runner import LightningRunner
+from lightning_memest.batches import batch_size_of, resize_batch
+from lightning_memest.engine.distributed import DDP, Strategy, fsdp_like
+from lightning_memest.engine.simulate import Simulation, simulate
+from lightning_memest.engine.step import Precision, StepConfig, StepListener, check_precision
+from lightning_memest.errors import EstimationError
+from lightning_memest.report import StepEstimate
+from lightning_memest.search import DEFAULT_CAP, BatchSizeResult, Progress, search_batch_size
+
+__all__ = ["FitSetup", "first_batch", "fit_setup"]
+
+
+@dataclass(frozen=True, eq=False)
+class FitSetup:
+    """What ``fit`` does with a training batch of its module, read from the trainer once
+    (:func:`fit_setup`)."""
+
+    module: pl.LightningModule
+    """The module being fit, attached to the trainer."""
+    batch: Any
+    """A training batch as the train dataloader yields it (:func:`first_batch`, unless given)."""
+    config: StepConfig
+    """The precision and the strategy (the loss and the optimizers are the module's own)."""
+    device: torch.device
+    """The device the trainer trains on (``strategy.root_device``)."""
+    accumulate_grad_batches: int
+    gradient_clip_val: int | float | None
+    gradient_clip_algorithm: str | None
+    step_context: Callable[[], contextlib.AbstractContextManager[object]]
+    """The precision plugin's ``train_step_context`` (autocast, or the default dtype of ``*-true``)."""
+
+    def runner(self, module: nn.Module, config: StepConfig, listener: StepListener) -> LightningRunner:
+        """The engine's runner factory: the fit loop's order of things, for ``module``."""
+        if not isinstance(module, pl.LightningModule):
+            raise EstimationError(f"expected a LightningModule, got {type(module).__name__}")
+        return LightningRunner(
+            module,
+            listener,
+            precision=config.precision,
+            accumulate_grad_batches=self.accumulate_grad_batches,
+            gradient_clip_val=self.gradient_clip_val,
+            gradient_clip_algorithm=self.gradient_clip_algorithm,
+            step_context=self.step_context,
+            strategy=config.strategy,
+        )
+
+    def simulate(self, batch: Any, *, steps: int = 2, flops: bool = True) -> Simulation:
+        """Training batches of the module on fake tensors, as this fit runs them (``flops=False``
+        records only what memory needs)."""
+        return simulate(
+            self.module,
+            batch,
+            self.config,
+            runner=self.runner,
+            device=self.device,
+            steps=steps,
+            capture=capture_filter(flops=flops),
+        )
+
+    def estimate(self, *, steps: int = 2) -> StepEstimate:
+        """The estimate of ``steps`` training batches like :attr:`batch`: the module's own
+        ``training_step`` (automatic or manual optimization), ``configure_optimizers``, precision,
+        accumulation and clipping."""
+        return account(self.simulate(self.batch, steps=steps))
+
+    def max_batch_size(
+        self,
+        budget_bytes: int,
+        *,
+        batch_size: int | None = None,
+        cap: int = DEFAULT_CAP,
+        progress: Progress | None = None,
+    ) -> BatchSizeResult:
+        """:func:`~lightning_memest.search.max_batch_size` for the module as this fit trains it: the
+        tensors of :attr:`batch` whose leading size is ``batch_size`` (default: ``batch_size_of`` the
+        batch) are resized on the meta device for each probe, and the module's own ``training_step``
+        runs."""
+        old = batch_size_of(self.batch) if batch_size is None else batch_size
+
+        def peak_of(n: int) -> PeakProfile:
+            return peak_profile(self.simulate(resize_batch(self.batch, old, n), flops=False))
+
+        return search_batch_size(peak_of, budget_bytes, start=old, cap=cap, progress=progress)
+
+
+def fit_setup(trainer: pl.Trainer, module: pl.LightningModule, batch: Any = None) -> FitSetup:
+    """Read what the simulation needs from ``trainer`` and its ``module`` (attached: from ``setup`` on):
+    the settings, and a training batch (``batch``, or else the first of the train dataloader, see
+    :func:`first_batch`). An ``EstimationError`` for what it cannot simulate (a precision, a sharded
+    strategy)."""
+    return FitSetup(
+        module=module,
+        batch=first_batch(trainer, module) if batch is None else batch,
+        config=StepConfig(precision=_precision(trainer), strategy=_strategy(trainer)),
+        device=trainer.strategy.root_device,
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        gradient_clip_val=trainer.gradient_clip_val,
+        gradient_clip_algorithm=trainer.gradient_clip_algorithm,
+        step_context=trainer.precision_plugin.train_step_context,
+    )
+
+
+def _precision(trainer: pl.Trainer) -> Precision:
+    """The trainer's precision in the names the engine knows, or an ``EstimationError``."""
+    name = str(trainer.precision)
+    try:
+        return check_precision(name)
+    except ValueError:
+        raise EstimationError(f"precision {name!r} is not supported by the estimator yet") from None
+
+
+def _strategy(trainer: pl.Trainer) -> Strategy | None:
+    """The data parallelism the trainer trains with, as the simulation runs it (``None``: none).
+
+    ``DDPStrategy`` (``ddp``, ``ddp_spawn``, ...) becomes :class:`DDP` with its bucket settings, as this
+    rank. ``ModelParallelStrategy`` with FSDP2 applied in ``configure_model`` becomes the :class:`FSDP`
+    that shards the module the same way (``engine.distributed.fsdp_like``). Other sharded strategies
+    (``FSDPStrategy``'s FSDP1, DeepSpeed) are not simulated inside ``fit``: an ``EstimationError`` says
+    so (the callback turns it into one warning); ``memest estimate --strategy fsdp`` answers for them.
+    """
+    strategy = trainer.strategy
+    if isinstance(strategy, DDPStrategy):
+        kwargs = getattr(strategy, "_ddp_kwargs", {})
+        return DDP(
+            trainer.world_size,
+            rank=trainer.global_rank,
+            bucket_cap_mb=float(kwargs.get("bucket_cap_mb") or 25.0),
+            gradient_as_bucket_view=bool(kwargs.get("gradient_as_bucket_view", False)),
+        )
+    if any(cls.__name__ == "ModelParallelStrategy" for cls in type(strategy).__mro__):
+        # configure_model has applied fully_shard (FSDP2): simulated by sharding the module again.
+        fsdp = fsdp_like(trainer.lightning_module)
+        if fsdp is not None:
+            return fsdp
+    if any(cls.__name__ in _SHARDED for cls in type(strategy).__mro__):
+        raise EstimationError(
+            f"per-rank estimates under {type(strategy).__name__} are not simulated inside fit yet: the "
+            "module is already sharded at fit start (use `memest estimate --strategy fsdp --world-size N`)"
+        )
+    return None
+
+
+_SHARDED = frozenset({"FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy", "XLAFSDPStrategy"})
+
+
+def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
+    """One batch from a fresh iterator over the train dataloader(s) the trainer will use.
+
+    Falls back to the module's ``example_input_array``. ``on_before_batch_transfer`` is applied, as
+    the fit loop would; ``on_after_batch_transfer`` runs inside the simulation, on fake tensors. The
+    global RNG is left as it was: a fresh (shuffling) iterator draws its seed from it, and training
+    must not notice.
+    """
+    source = trainer.fit_loop._data_source
+    if source.is_defined():
+        device = trainer.strategy.root_device
+        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
+            combined = CombinedLoader(source.dataloader(), "max_size_cycle")
+            batch, _, _ = next(iter(combined))
+    elif pl_module.example_input_array is not None:
+        batch = pl_module.example_input_array
+    else:
+        raise ValueError("no train dataloader and no example_input_array to take a batch from")
+    return pl_module.on_before_batch_transfer(batch, 0)

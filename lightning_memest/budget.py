@@ -1,0 +1,234 @@
+"""How much memory a device has for a training step, sizes as people write them, and the pre-check.
+
+* :func:`parse_size` -- bytes from ``"10GiB"``, ``"1.5GB"``, ``"8g"``;
+* :func:`device_budget` -- the largest estimated peak that fits the memory a device has now;
+* :func:`precheck` -- whether an estimate fits a budget, with the sentence (and the
+  :class:`~lightning_memest.errors.MemoryBudgetError`) that says so. ``MemEstimate`` calls these on fit
+  start.
+
+The margin model of :func:`device_budget`
+-----------------------------------------
+The estimate is of the bytes the allocator hands out (on CUDA: ``max_memory_allocated``). What the
+device must have on top of that:
+
+* CUDA: ``torch.cuda.mem_get_info`` runs inside this process's CUDA context, so the context is
+  already outside ``free``. Not yet outside it: memory that the first real steps allocate outside the
+  caching allocator -- cuBLAS/cuDNN handles, kernels loaded lazily (``CUDA_MODULE_LOADING=LAZY``), NCCL
+  buffers under DDP. That is a fixed ``margin_bytes`` (default :data:`CUDA_MARGIN_BYTES`). And the
+  caching allocator reserves more than it hands out (blocks rounded up, segments split and cached):
+  ``overhead`` (default :data:`CUDA_RESERVED_OVERHEAD`) of the peak. Memory this process's allocator
+  already reserves (the model's weights, moved to the device before ``on_fit_start``) is available to
+  the step -- the estimate counts those weights itself -- so it is added back.
+* CPU: ``MemAvailable`` of ``/proc/meminfo`` (the kernel's estimate of what can be allocated without
+  swapping), plus ``resident_bytes`` that the caller says the estimate counts but that already exist
+  (the model's parameters on the host). No margin by default: the CPU allocator hands out what is
+  asked, and the budget is a snapshot shared with every other process anyway.
+
+So the budget is ``(free + reclaimable - margin_bytes) / (1 + overhead)``: the largest *estimated*
+peak that fits.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lightning_memest.errors import MemestError, MemoryBudgetError
+from lightning_memest.report import StepEstimate, format_bytes
+
+__all__ = [
+    "CUDA_MARGIN_BYTES",
+    "CUDA_RESERVED_OVERHEAD",
+    "PrecheckResult",
+    "device_budget",
+    "parse_size",
+    "precheck",
+]
+
+#: Device memory that real CUDA steps take outside the caching allocator (library handles, lazily
+#: loaded kernels, NCCL buffers): not in the estimate, not yet out of ``mem_get_info``'s free bytes.
+CUDA_MARGIN_BYTES = 512 * 2**20
+#: Reserved over allocated bytes of the caching allocator at a training step's peak (rounding,
+#: cached and split blocks); the estimate is of allocated bytes.
+CUDA_RESERVED_OVERHEAD = 0.10
+
+#: Called after each probe with ``(batch_size, peak_bytes)``: progress for slow searches.
+
+# ------------------------------------------------------------------------------------------- sizes
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 2**10,
+    "kib": 2**10,
+    "kb": 10**3,
+    "m": 2**20,
+    "mib": 2**20,
+    "mb": 10**6,
+    "g": 2**30,
+    "gib": 2**30,
+    "gb": 10**9,
+    "t": 2**40,
+    "tib": 2**40,
+    "tb": 10**12,
+}
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size: ``'12345'``, ``'512MiB'``, ``'1.5GB'``, ``'8g'``.
+
+    Units, case-insensitive: ``B``; binary ``KiB MiB GiB TiB`` and their one-letter forms ``K M G T``
+    (as in ``docker --memory 8g``); decimal ``KB MB GB TB``. Fractions round down to whole bytes.
+
+    >>> parse_size("10GiB"), parse_size("1.5GB"), parse_size("8g"), parse_size("4096")
+    (10737418240, 1500000000, 8589934592, 4096)
+    >>> parse_size("ten gigs")
+    Traceback (most recent call last):
+    ...
+    ValueError: a size is a number and an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, K, M, G, T) such as 10GiB or 1.5GB; got 'ten gigs'
+    """  # noqa: E501
+    match = _SIZE.fullmatch(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            "a size is a number and an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, K, M, G, T) "
+            f"such as 10GiB or 1.5GB; got {text!r}"
+        )
+    value = float(match.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value < 1:
+        raise ValueError(f"a size must be at least one byte; got {text!r}")
+    return int(value)
+
+
+# ---------------------------------------------------------------------------------------- the budget
+
+
+def _mem_available() -> int:
+    """``MemAvailable`` of ``/proc/meminfo``; psutil's figure where there is no ``/proc`` (macOS)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the file says kB, meaning KiB
+    except OSError:
+        pass
+    try:
+        import psutil  # optional: only where /proc is missing
+    except ImportError:
+        raise MemestError(
+            "cannot tell the memory this machine has available (no /proc/meminfo, no psutil); "
+            "give the budget explicitly"
+        ) from None
+    return int(psutil.virtual_memory().available)
+
+
+def device_budget(
+    device: str | torch.device,
+    *,
+    margin_bytes: int | None = None,
+    overhead: float | None = None,
+    resident_bytes: int = 0,
+) -> int:
+    """The largest estimated peak (``StepEstimate.peak_bytes``) that fits the memory ``device`` has now.
+
+    ``(free + reclaimable - margin_bytes) / (1 + overhead)``, floored at 0, where on CUDA ``free`` is
+    ``torch.cuda.mem_get_info`` and ``reclaimable`` is what this process's caching allocator already
+    reserves, and on CPU ``free`` is ``MemAvailable`` and ``reclaimable`` is ``resident_bytes`` (bytes
+    the estimate counts that are already allocated: the model's parameters). ``margin_bytes`` defaults
+    to :data:`CUDA_MARGIN_BYTES` on CUDA and 0 on CPU, ``overhead`` to :data:`CUDA_RESERVED_OVERHEAD`
+    on CUDA and 0 on CPU; the module docstring says why.
+
+    >>> device_budget("cpu") > 0
+    True
+    >>> device_budget("cpu", margin_bytes=2**60)
+    0
+    """
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        free, _ = torch.cuda.mem_get_info(index)
+        reclaimable = torch.cuda.memory_reserved(index)
+        margin = CUDA_MARGIN_BYTES if margin_bytes is None else margin_bytes
+        factor = 1.0 + (CUDA_RESERVED_OVERHEAD if overhead is None else overhead)
+    elif dev.type == "cpu":
+        free, reclaimable = _mem_available(), resident_bytes
+        margin = 0 if margin_bytes is None else margin_bytes
+        factor = 1.0 + (0.0 if overhead is None else overhead)
+    else:
+        raise MemestError(f"cannot tell the memory of device {dev}; give the budget explicitly")
+    return max(0, int((free + reclaimable - margin) / factor))
+
+
+# ---------------------------------------------------------------------------------------- pre-check
+
+
+@dataclass(frozen=True)
+class PrecheckResult:
+    """Whether an estimate fits a budget, and the sentence that says so."""
+
+    fits: bool
+    peak_bytes: int
+    budget_bytes: int
+    batch_size: int | None
+    max_batch_size: int | None
+    """The largest batch size that fits (only computed when the estimate does not fit)."""
+    message: str
+
+    def error(self) -> MemoryBudgetError:
+        """The error to raise when it does not fit."""
+        return MemoryBudgetError(
+            self.message,
+            peak_bytes=self.peak_bytes,
+            budget_bytes=self.budget_bytes,
+            batch_size=self.batch_size,
+            max_batch_size=self.max_batch_size,
+        )
+
+
+def precheck(
+    estimate: StepEstimate,
+    budget_bytes: int,
+    *,
+    batch_size: int | None = None,
+    max_fit: Callable[[], int] | None = None,
+) -> PrecheckResult:
+    """Compare the estimated peak with ``budget_bytes`` (from :func:`device_budget`, say).
+
+    ``max_fit`` computes the largest batch size that fits (a batch-size search: ``FitSetup.max_batch_size`` in ``fit``);
+    it is called only when the estimate does not fit, as it costs a few estimator runs. The message
+    names the estimated peak, the budget, the batch size in use and the largest that fits.
+
+    Example:
+        >>> import torch
+        >>> from lightning_memest import estimate_step
+        >>> est = estimate_step(torch.nn.Linear(1000, 1000), torch.randn(64, 1000))
+        >>> r = precheck(est, 2**20, batch_size=64, max_fit=lambda: 0)
+        >>> r.fits
+        False
+        >>> print(r.message)
+        the estimated peak of a training step at batch size 64, 8.12 MiB (8,516,008 B), is over the memory budget of 1.00 MiB (1,048,576 B); even batch size 1 does not fit
+        >>> precheck(est, 2**30).fits
+        True
+    """  # noqa: E501
+    peak = estimate.peak_bytes
+    at = f" at batch size {batch_size}" if batch_size is not None else ""
+    amounts = (
+        f"the estimated peak of a training step{at}, {format_bytes(peak)} ({peak:,} B), is {{}} the "
+        f"memory budget of {format_bytes(budget_bytes)} ({budget_bytes:,} B)"
+    )
+    if peak <= budget_bytes:
+        return PrecheckResult(True, peak, budget_bytes, batch_size, None, amounts.format("within"))
+    best = max_fit() if max_fit is not None else None
+    message = amounts.format("over")
+    if best is not None:
+        message += (
+            "; even batch size 1 does not fit"
+            if best == 0
+            else f"; the largest batch size that fits is {best}"
+        )
+    return PrecheckResult(False, peak, budget_bytes, batch_size, best, message)

@@ -1,0 +1,109 @@
+"""``memest``: estimate, measure and compare the memory of one training step from the command line.
+
+::
+
+    memest estimate MODEL [--model-kwargs JSON] [--batch-size N]
+                    (--input-shape C,H,W | --tokens SEQ --vocab V)
+                    [--loss cross_entropy|sum] [--optimizer sgd|adam|adamw|none]
+                    [--precision 32-true|16-mixed|bf16-mixed|16-true|bf16-true] [--device cpu|cuda] [--json]
+    memest measure  (the same arguments)
+    memest compare MODEL [MODEL ...] (the same input, loss, optimizer, precision and device flags) [--json]
+    memest max-batch-size MODEL --memory-budget SIZE (the flags of estimate) [--max-batch-size N]
+
+``max-batch-size`` prints the largest batch size whose estimated peak is within SIZE (bytes, or a
+number with a unit: ``10GiB``, ``512MiB``, ``1.5GB``, ``8g``; see
+:func:`~lightning_memest.budget.parse_size`); ``--batch-size`` is the second size it probes. With
+``--json``: ``{"max_batch_size": int, "peak_bytes_at_max": int | null, "probes": int, "seconds": float}``
+(``max_batch_size`` 0 and ``peak_bytes_at_max`` null when not even one sample fits: still exit 0, with
+a note on stderr). Each probe is reported on stderr as it finishes.
+
+``MODEL`` is ``package.module:name`` (the current directory is importable); see
+:mod:`lightning_memest.cases` for how models, inputs, losses and optimizers are made.
+
+Exit status: 0 on success; 2 on bad input (an unknown model, a bad flag, an input the model rejects)
+and when the estimator cannot simulate the step (:class:`~lightning_memest.errors.MemestError`), with
+one ``memest: error: ...`` line on stderr; 1 on an unexpected failure (set ``MEMEST_DEBUG=1`` for its
+traceback).
+
+Example:
+    >>> main(["estimate", "torch.nn:Linear", "--model-kwargs", '{"in_features": 8, "out_features": 4}',
+    ...       "--input-shape", "8", "--json"])  # doctest: +SKIP
+    {"peak_bytes": {"first_step": ..., "steady_state": ...}, ...}
+    0
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+
+from lightning_memest.cli.commands import COMMANDS
+from lightning_memest.cli.parser import PROG, build_parser, settings
+from lightning_memest.errors import MemestError
+
+__all__ = ["main"]
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``memest`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
+
+    Example:
+        >>> main(["measure", "torch.nn:Linear", "--model-kwargs", '{"in_features": 8, "out_features": 4}',
+        ...       "--input-shape", "8", "--json"])  # doctest: +ELLIPSIS
+        {"peak_bytes": {"first_step": ..., "steady_state": ...}, "reserved_bytes": null, "step_seconds": ...}
+        0
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help exits 0, usage errors 2; return rather than exit when called in-process
+        return e.code if isinstance(e.code, int) else 2
+    # `memest estimate mymodel:Net` run from a project directory should find mymodel.py there, as
+    # `python -m` would; the console script's sys.path does not hold the current directory.
+    # Kineto (the profiler `measure` uses on CPU) writes profiler_start/stop lines, and on machines
+    # without a GPU a "gpuGetDeviceCount failed" line, to stderr on every run; stderr is kept for
+    # errors and progress. It reads the variable when the profiler starts; a user's own setting wins.
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        COMMANDS[args.command](settings(args), sys.stdout)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`memest ... | head`): nothing left to say, as any Unix tool.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except MemestError as e:
+        if os.environ.get("MEMEST_DEBUG"):
+            raise
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if os.environ.get("MEMEST_DEBUG"):
+            raise
+        print(
+            f"{PROG}: error: unexpected {type(e).__name__}: {_one_line(e)}"
+            " (set MEMEST_DEBUG=1 for the traceback)",
+            file=sys.stderr,
+        )
+        return 1
+    finally:
+        # Called in-process (tests, scripts), leave the import path as it was.
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

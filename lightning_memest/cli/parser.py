@@ -1,0 +1,334 @@
+"""The ``memest`` argument parser, and the settings it yields: the flags of every command, checked
+together once (a bad combination is one usage error before any model is built)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import torch
+
+from lightning_memest.accounting.cuda_device import CudaDevice
+from lightning_memest.cases import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_LOSS,
+    DEFAULT_OPTIMIZER,
+    LOSSES,
+    OPTIMIZERS,
+    Case,
+    InputSpec,
+    build_case,
+    parse_shape,
+)
+from lightning_memest.engine.distributed import DDP, FSDP, STRATEGIES, Strategy
+from lightning_memest.engine.step import PRECISIONS
+from lightning_memest.errors import SpecError
+from lightning_memest.fx import NODE_ORDERS
+from lightning_memest.search import DEFAULT_CAP
+from lightning_memest.tables import MODULE_ORDERS
+
+__all__ = ["DEVICES", "PROG", "Settings", "build_parser", "settings"]
+
+PROG = "memest"
+DEVICES = ("cpu", "cuda")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (``memest: error: ...``), like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _add_case_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model-kwargs",
+        metavar="JSON",
+        default=None,
+        help="keyword arguments for the model class or factory, as a JSON object",
+    )
+    p.add_argument(
+        "--batch-size",
+        type=int,
+        default=DEFAULT_BATCH_SIZE,
+        metavar="N",
+        help=f"batch size (default {DEFAULT_BATCH_SIZE})",
+    )
+    inputs = p.add_mutually_exclusive_group(required=True)
+    inputs.add_argument(
+        "--input-shape", metavar="C,H,W", help="float input of shape (N, C, H, W) (any number of sizes)"
+    )
+    inputs.add_argument("--tokens", type=int, metavar="SEQ", help="token-id input of shape (N, SEQ)")
+    p.add_argument(
+        "--vocab", type=int, metavar="V", help="vocabulary size of --tokens inputs (required with it)"
+    )
+    p.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default=DEFAULT_LOSS,
+        help="cross_entropy against random class ids (the output's last dimension), or the output's sum "
+        f"(default {DEFAULT_LOSS})",
+    )
+    p.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=DEFAULT_OPTIMIZER,
+        help=f"sgd (lr 0.01, momentum 0.9), adam or adamw (lr 1e-3), or none (default {DEFAULT_OPTIMIZER})",
+    )
+    p.add_argument(
+        "--precision", choices=PRECISIONS, default="32-true", help="Lightning precision (default 32-true)"
+    )
+    p.add_argument("--device", choices=DEVICES, default="cpu", help="device (default cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON value instead of a table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``memest`` argument parser."""
+    parser = _Parser(
+        prog=PROG,
+        description="Estimate the memory of one PyTorch training step on fake tensors; measure it for real.",
+    )
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="{estimate,measure,compare,profile,max-batch-size}"
+    )
+    model_help = "package.module:name of an nn.Module class or factory (the current directory is importable)"
+    for name, help_text in (
+        ("estimate", "estimate the peak memory of a training step, without running it"),
+        ("measure", "run two real training steps and measure their peak memory"),
+    ):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("model", metavar="MODEL", help=model_help)
+        _add_case_flags(p)
+        if name == "estimate":
+            _add_strategy_flags(p)
+            _add_gpu_flags(p, memory=True)
+    p = sub.add_parser(
+        "compare",
+        help="estimate and measure each model, and show the error",
+        description="estimate and measure each model, and show the error",
+    )
+    p.add_argument("models", metavar="MODEL", nargs="+", help=model_help)
+    _add_case_flags(p)
+    _add_max_batch_size_parser(sub, model_help)
+    _add_profile_parser(sub, model_help)
+    return parser
+
+
+def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "data parallelism",
+        "simulate one rank (rank 0) of a DDP or FSDP2 job with PyTorch's own code on a fake process group; "
+        "every figure is per rank",
+    )
+    g.add_argument("--strategy", choices=STRATEGIES, default=None, help="ddp or fsdp (FSDP2 fully_shard)")
+    g.add_argument(
+        "--world-size", type=int, default=None, metavar="N", help="ranks in the job (with --strategy)"
+    )
+    g.add_argument(
+        "--fsdp-units",
+        metavar="CLASS,...",
+        default=None,
+        help="class names of the modules sharded as FSDP units (default: each block of every nn.ModuleList)",
+    )
+    g.add_argument(
+        "--fsdp-param-dtype",
+        choices=tuple(_DTYPES),
+        default=None,
+        help="FSDP's MixedPrecisionPolicy param_dtype: the dtype units are all-gathered and computed in",
+    )
+    g.add_argument(
+        "--fsdp-reduce-dtype",
+        choices=tuple(_DTYPES),
+        default=None,
+        help="FSDP's MixedPrecisionPolicy reduce_dtype: the dtype gradients are reduce-scattered in",
+    )
+    g.add_argument(
+        "--fsdp-keep-unsharded",
+        action="store_true",
+        help="fully_shard(reshard_after_forward=False): units stay gathered from forward to backward",
+    )
+    g.add_argument(
+        "--bucket-cap-mb", type=float, default=25.0, metavar="MB", help="DDP's bucket size (default 25)"
+    )
+    g.add_argument(
+        "--gradient-as-bucket-view",
+        action="store_true",
+        help="DDP's gradient_as_bucket_view (gradients live in the buckets: no second copy)",
+    )
+
+
+def _add_gpu_flags(p: argparse.ArgumentParser, memory: bool) -> None:
+    g = p.add_argument_group("the GPU (with --device cuda)")
+    g.add_argument(
+        "--cuda-capability",
+        metavar="MAJOR.MINOR",
+        default=None,
+        help="the GPU's compute capability, for a what-if without one (9.0: H100/H200, 8.0: A100); it "
+        "picks cuBLAS's workspace size (default: this machine's GPU, else PyTorch's pre-Hopper default)",
+    )
+    if memory:
+        g.add_argument(
+            "--gpu-memory",
+            metavar="SIZE",
+            default=None,
+            help="say whether the step fits a GPU with this much memory (reserved peak + CUDA context)",
+        )
+
+
+def _gpu(args: argparse.Namespace) -> CudaDevice | None:
+    text = getattr(args, "cuda_capability", None)
+    if args.device != "cuda":
+        if text is not None or getattr(args, "gpu_memory", None) is not None:
+            raise SpecError("--cuda-capability and --gpu-memory go with --device cuda")
+        return None
+    local = torch.cuda.is_available()
+    if text is None:
+        return None if local else CudaDevice()
+    try:
+        major, minor = (int(x) for x in text.split("."))
+    except ValueError:
+        raise SpecError(f"--cuda-capability must look like 9.0; got {text!r}") from None
+    if local:
+        return dataclasses.replace(CudaDevice.local(torch.device("cuda")), capability=(major, minor))
+    return CudaDevice(capability=(major, minor))
+
+
+def _strategy(args: argparse.Namespace) -> Strategy | None:
+    if getattr(args, "strategy", None) is None:
+        if getattr(args, "world_size", None) is not None:
+            raise SpecError("--world-size goes with --strategy ddp|fsdp")
+        return None
+    if args.strategy is None:
+        if args.world_size is not None:
+            raise SpecError("--world-size goes with --strategy ddp|fsdp")
+        return None
+    if args.world_size is None:
+        raise SpecError(f"--strategy {args.strategy} needs --world-size N")
+    if args.strategy == "ddp":
+        return DDP(
+            args.world_size,
+            bucket_cap_mb=args.bucket_cap_mb,
+            gradient_as_bucket_view=args.gradient_as_bucket_view,
+        )
+    units = tuple(u.strip() for u in args.fsdp_units.split(",") if u.strip()) if args.fsdp_units else None
+    return FSDP(
+        args.world_size,
+        units=units,
+        reshard_after_forward=False if args.fsdp_keep_unsharded else None,
+        param_dtype=_DTYPES.get(args.fsdp_param_dtype or ""),
+        reduce_dtype=_DTYPES.get(args.fsdp_reduce_dtype or ""),
+    )
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _add_profile_parser(sub: Any, model_help: str) -> None:
+    help_text = "what each graph node (or module) saves for backward, allocates and computes in one step"
+    p = sub.add_parser("profile", help=help_text, description=help_text)
+    p.add_argument("model", metavar="MODEL", help=model_help)
+    _add_case_flags(p)
+    p.add_argument(
+        "--by",
+        choices=("node", "module"),
+        default="node",
+        help="a row per torch.fx graph node (the model must be traceable by symbolic_trace) or per module "
+        "(default node)",
+    )
+    p.add_argument(
+        "--sort",
+        metavar="FIGURE",
+        default=None,
+        help=f"sort by a figure, largest first: for nodes {', '.join(NODE_ORDERS[1:])}; for modules "
+        f"{', '.join(MODULE_ORDERS[1:])} (default: graph order / module tree order)",
+    )
+    p.add_argument("--top", type=int, default=None, metavar="N", help="only the first N rows")
+
+
+def _add_max_batch_size_parser(sub: Any, model_help: str) -> None:
+    help_text = "find the largest batch size whose estimated peak is within a memory budget"
+    p = sub.add_parser("max-batch-size", help=help_text, description=help_text)
+    p.add_argument("model", metavar="MODEL", help=model_help)
+    _add_case_flags(p)
+    for action in p._actions:  # the same flag, another meaning here
+        if action.dest == "batch_size":
+            action.help = f"the second batch size probed, after 1 (default {DEFAULT_BATCH_SIZE})"
+    p.add_argument(
+        "--memory-budget",
+        required=True,
+        metavar="SIZE",
+        help="the memory for the step: bytes, or a number and a unit (10GiB, 512MiB, 1.5GB, 8g)",
+    )
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=DEFAULT_CAP,
+        metavar="N",
+        dest="cap",
+        help=f"the largest batch size considered (default {DEFAULT_CAP})",
+    )
+    _add_strategy_flags(p)
+
+
+# ------------------------------------------------------------------------------------------ settings
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the flags of a command ask for, checked: the input, the model's keyword arguments, the
+    strategy and the GPU (``None`` where not asked for)."""
+
+    args: argparse.Namespace
+    inputs: InputSpec
+    model_kwargs: dict[str, Any]
+    strategy: Strategy | None
+    gpu: CudaDevice | None
+
+    def build(self, spec: str) -> Case:
+        """The case of model ``spec`` with these settings (a new, identically seeded model each time)."""
+        args = self.args
+        return build_case(
+            spec,
+            self.inputs,
+            model_kwargs=self.model_kwargs,
+            loss=args.loss,
+            optimizer=args.optimizer,
+            precision=args.precision,
+        )
+
+    def describe(self) -> str:
+        """The settings in one line, for the heading of a command's output."""
+        args = self.args
+        text = f"{self.inputs.describe()}, {args.loss}, {args.optimizer}, {args.precision}, {args.device}"
+        if self.strategy is not None:
+            text += f", {args.strategy} on {args.world_size} ranks, per rank"
+        return text
+
+
+def settings(args: argparse.Namespace) -> Settings:
+    """Check the flags of ``args`` together; a :class:`SpecError` names what is wrong."""
+    return Settings(args, _input_spec(args), _model_kwargs(args.model_kwargs), _strategy(args), _gpu(args))
+
+
+def _input_spec(args: argparse.Namespace) -> InputSpec:
+    if args.tokens is not None and args.vocab is None:
+        raise SpecError("--tokens needs --vocab")
+    if args.vocab is not None and args.tokens is None:
+        raise SpecError("--vocab goes with --tokens")
+    shape = parse_shape(args.input_shape) if args.input_shape is not None else None
+    return InputSpec(batch_size=args.batch_size, shape=shape, tokens=args.tokens, vocab=args.vocab)
+
+
+def _model_kwargs(text: str | None) -> dict[str, Any]:
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"--model-kwargs is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise SpecError(f"--model-kwargs must be a JSON object; got {type(value).__name__}")
+    return value

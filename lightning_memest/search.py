@@ -1,0 +1,422 @@
+"""The largest batch size that fits a memory budget, found on fake tensors (no real step ever runs).
+
+:func:`max_batch_size` finds the largest batch size whose estimated peak (``StepEstimate.peak_bytes``,
+the larger of the first step and the steady state) is within a budget. It is exact *with respect to the
+estimator*: ``estimate(max) <= budget < estimate(max + 1)``. Memory is close to affine in the batch
+size, so the search probes two sizes, extrapolates, and then verifies the boundary (``max`` and
+``max + 1``), falling back to secant and bisection steps where the line was wrong -- typically four
+probes. Every probe is a full fake run of two steps, so a probe costs the same at any batch size; the
+batches are built on the meta device, so no size costs real memory. :func:`search_batch_size` is the
+search itself over any peak model, with its worker process (pairs of probes at once).
+
+    >>> import torch
+    >>> from torch import nn
+    >>> from lightning_memest.search import max_batch_size
+    >>> model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 10))
+    >>> make = lambda n: torch.empty(n, 256, device="meta")  # any size, no real memory
+    >>> result = max_batch_size(model, make, 64 * 2**20, optimizer=torch.optim.Adam)
+    >>> result.max_batch_size
+    4791
+    >>> below, above = dict(result.probes)[4791], dict(result.probes)[4792]
+    >>> below <= 64 * 2**20 < above
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_memest.accounting import PeakProfile, capture_filter, peak_profile
+from lightning_memest.accounting.cuda_device import CudaDevice
+from lightning_memest.engine.distributed import Strategy
+from lightning_memest.engine.simulate import simulate
+from lightning_memest.engine.step import LossFn, OptimizerFactory, StepConfig, check_precision, sum_loss
+from lightning_memest.errors import EstimationError
+from lightning_memest.report import format_bytes
+
+__all__ = [
+    "DEFAULT_CAP",
+    "BatchSizeResult",
+    "Progress",
+    "can_fork",
+    "max_batch_size",
+    "search_batch_size",
+]
+
+#: The largest batch size the search considers: far beyond any real batch, small enough that the
+#: bisection ends in at most 20 steps.
+DEFAULT_CAP = 2**20
+
+#: Called after each probe with ``(batch_size, peak_bytes)``: progress for slow searches.
+Progress = Callable[[int, int], None]
+
+
+# ------------------------------------------------------------------------------------------- search
+
+
+@dataclass(frozen=True)
+class BatchSizeResult:
+    """The outcome of a batch-size search.
+
+    ``max_batch_size`` is 0 when even one sample is over the budget (``peak_bytes_at_max`` is then
+    ``None``); ``capped`` says the search stopped at ``cap`` with memory to spare.
+    """
+
+    max_batch_size: int
+    peak_bytes_at_max: int | None
+    budget_bytes: int
+    probes: tuple[tuple[int, int], ...]
+    """Every ``(batch_size, peak_bytes)`` estimated, in order."""
+    seconds: float
+    capped: bool = False
+
+    @property
+    def message(self) -> str:
+        """One sentence for people."""
+        peaks = dict(self.probes)
+        budget = format_bytes(self.budget_bytes)
+        if self.max_batch_size == 0:
+            return (
+                f"even batch size 1 is over the memory budget: its estimated peak is "
+                f"{format_bytes(peaks[1])}, the budget {budget}"
+            )
+        assert self.peak_bytes_at_max is not None
+        text = (
+            f"the largest batch size within {budget} is {self.max_batch_size} "
+            f"(estimated peak {format_bytes(self.peak_bytes_at_max)}"
+        )
+        if self.capped:
+            return text + f"); the search stops at {self.max_batch_size}, a larger one may fit too"
+        return text + f"; {self.max_batch_size + 1} needs {format_bytes(peaks[self.max_batch_size + 1])})"
+
+    def to_json(self) -> dict[str, Any]:
+        """What ``memest max-batch-size --json`` prints."""
+        return {
+            "max_batch_size": self.max_batch_size,
+            "peak_bytes_at_max": self.peak_bytes_at_max,
+            "probes": len(self.probes),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass
+class _Search:
+    peak_of: Callable[[int], int | PeakProfile]
+    budget: int
+    progress: Progress | None
+    probes: list[tuple[int, int]] = field(default_factory=list)
+    known: dict[int, int] = field(default_factory=dict)
+    curves: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    worker: _Worker | None = None
+
+    def peak(self, n: int) -> int:
+        if n not in self.known:
+            try:
+                answer = self.peak_of(n)
+            except EstimationError as e:
+                raise _at_batch_size(e, n) from e
+            self._record(n, answer)
+        return self.known[n]
+
+    def _record(self, n: int, answer: int | PeakProfile) -> None:
+        if isinstance(answer, PeakProfile):
+            value = answer.peak
+            # Shifted so that its top is the peak (a CUDA peak counts whole allocator blocks).
+            shift = value - max(answer.curve, default=value)
+            self.curves[n] = tuple(c + shift for c in answer.curve)
+        else:
+            value = answer
+        self.known[n] = value
+        self.probes.append((n, value))
+        if self.progress is not None:
+            self.progress(n, value)
+
+    def prefetch(self, sizes: list[int]) -> None:
+        """Probe two sizes at once, one here and one in the worker process, when the search has one (a
+        probe the worker could not answer is left to run here, so that its error surfaces with its
+        batch size; the worker is then retired)."""
+        todo = [n for n in dict.fromkeys(sizes) if n not in self.known]
+        worker = self.worker
+        if worker is None or len(todo) < 2:
+            return
+        worker.submit(todo[1])
+        try:
+            here = self.peak_of(todo[0])
+        except EstimationError:
+            worker.result()
+            raise
+        self._record(todo[0], here)
+        there = worker.result()
+        if there is None:
+            self.worker = None
+            worker.close()
+        else:
+            self._record(todo[1], there)
+
+    def fits(self, n: int) -> bool:
+        return self.peak(n) <= self.budget
+
+    def curve_guess(self, a: int, b: int) -> float | None:
+        """The largest size whose predicted peak fits: each point of the memory curve follows its own
+        line through sizes ``a`` and ``b``, and the peak is the highest of them (None: no curves, or
+        the two runs did not run the same ops)."""
+        ca, cb = self.curves.get(a), self.curves.get(b)
+        if ca is None or cb is None or len(ca) != len(cb) or not ca:
+            return None
+        guess = math.inf
+        for pa, pb in zip(ca, cb, strict=True):
+            if pb > pa:
+                guess = min(guess, a + (self.budget - pa) * (b - a) / (pb - pa))
+            elif pa > self.budget:
+                return None  # a point over the budget that does not grow: the lines cannot say
+        return guess if guess != math.inf else None
+
+
+def _at_batch_size(e: EstimationError, n: int) -> EstimationError:
+    error = EstimationError(f"at batch size {n}: {e}")
+    error.op, error.module = e.op, e.module
+    return error
+
+
+def search_batch_size(
+    peak_of: Callable[[int], int | PeakProfile],
+    budget_bytes: int,
+    *,
+    start: int = 8,
+    cap: int = DEFAULT_CAP,
+    progress: Progress | None = None,
+    workers: int = 1,
+) -> BatchSizeResult:
+    """The largest ``n <= cap`` with ``peak_of(n) <= budget_bytes < peak_of(n + 1)`` (0: none fits).
+
+    ``peak_of`` is any peak model (one estimator run per call; each ``n`` is asked once), returning the
+    peak or a :class:`~lightning_memest.estimate.PeakProfile`. It probes 1 and ``start``, extrapolates
+    to the budget (through the two probes nearest the boundary: the lines of their memory curves when
+    it has them, else the line of their peaks), and verifies the guess and its neighbour; when the
+    guess was wrong, the next guesses interpolate inside the bracket, and bisect when that does not
+    halve it. The result is exact for any ``peak_of`` that is non-decreasing; for one that is not, the
+    answer is still a size that fits next to one that does not.
+
+    With ``workers`` > 1 (and where :func:`can_fork`), pairs of probes run at once, one in a worker
+    process forked at the start: 1 and ``start``, and a guess from the curves with its neighbour (one
+    of them may go unused: it is still listed among the probes).
+
+    >>> r = search_batch_size(lambda n: 1000 + 37 * n, 10_000)
+    >>> r.max_batch_size, [n for n, _ in r.probes]  # an affine peak: two probes to fit, two to verify
+    (243, [1, 8, 243, 244])
+    >>> search_batch_size(lambda n: 100 * n, 50).max_batch_size
+    0
+    """
+    if budget_bytes < 0:
+        raise ValueError(f"the budget must not be negative; got {budget_bytes}")
+    if cap < 1:
+        raise ValueError(f"the cap must be at least 1; got {cap}")
+    began = time.perf_counter()
+    s = _Search(peak_of, budget_bytes, progress, worker=_start_worker(peak_of) if workers > 1 else None)
+    try:
+        return _search(s, budget_bytes, start, cap, began)
+    finally:
+        if s.worker is not None:
+            s.worker.close()
+
+
+def _search(s: _Search, budget_bytes: int, start: int, cap: int, began: float) -> BatchSizeResult:
+    def result(n: int, capped: bool = False) -> BatchSizeResult:
+        peak = s.known[n] if n else None
+        return BatchSizeResult(n, peak, budget_bytes, tuple(s.probes), time.perf_counter() - began, capped)
+
+    start = min(max(start, 2), cap)
+    s.prefetch([1, start])
+    if not s.fits(1):
+        return result(0)
+    lo, hi = 1, None  # lo fits, hi (when known) does not; the answer is in [lo, hi - 1]
+    if start > 1:
+        if s.fits(start):
+            lo = start
+        else:
+            hi = start
+    widths: list[int] = []
+    weights = [1.0, 1.0]  # Illinois: the weight of the end of the bracket that stayed put, halved each round
+    while hi is None or hi - lo > 1:
+        if hi is None and lo == cap:
+            return result(cap, capped=True)
+        upper = cap if hi is None else hi - 1  # the largest candidate
+        widths.append(upper - lo)
+        bracket = (lo, hi)
+        guess: float | None = None
+        curved: float | None = None
+        if hi is None:
+            # Extrapolate from the two largest sizes that fit (1 and ``start`` at first): the lines of
+            # the memory curves when the probes have them, else the line of the peaks.
+            a = max(n for n in s.known if n < lo)
+            guess = curved = s.curve_guess(a, lo)
+            if guess is None and s.known[lo] > s.known[a]:
+                guess = lo + (budget_bytes - s.known[lo]) * (lo - a) / (s.known[lo] - s.known[a])
+        elif (curved := s.curve_guess(lo, hi)) is not None and len(widths) < 3:
+            guess = curved
+        else:
+            # Interpolate inside the bracket (regula falsi, with the Illinois weights so that a curved
+            # peak does not pin one end); bisect when the bracket shrinks too slowly all the same.
+            below = (budget_bytes - s.known[lo]) * weights[0]
+            above = (s.known[hi] - budget_bytes) * weights[1]
+            if len(widths) < 4 or widths[-1] * 4 <= widths[-4]:
+                guess = lo + (hi - lo) * below / (below + above)
+        if guess is None:
+            n = (lo + upper + 1) // 2 if hi is not None else min(lo * 2, upper)
+        else:
+            n = math.floor(guess)
+        n = min(max(n, lo + 1), upper)
+        if curved is not None and n + 1 <= upper:
+            s.prefetch([n, n + 1])  # the curves are usually right: the boundary is n, n + 1 the proof
+        if s.fits(n):
+            lo = n
+        else:
+            hi = n
+        # Within one sample's bytes of the budget, the boundary is n or its neighbour: verify at once
+        # (with a good line this is the last probe). Farther off, the next line does better.
+        lower = max(m for m in s.known if m < n)
+        slope = (s.known[n] - s.known[lower]) / (n - lower)
+        neighbour = n + 1 if lo == n else n - 1
+        if abs(budget_bytes - s.known[n]) <= slope and lo < neighbour < (cap + 1 if hi is None else hi):
+            if s.fits(neighbour):
+                lo = neighbour
+            else:
+                hi = neighbour
+        if bracket[1] is not None:  # Illinois: only between two bracketed rounds
+            weights[0] = weights[0] / 2 if bracket[0] == lo else 1.0
+            weights[1] = weights[1] / 2 if bracket[1] == hi else 1.0
+    return result(lo)
+
+
+def max_batch_size(
+    model: nn.Module,
+    make_batch: Callable[[int], Any],
+    budget_bytes: int,
+    *,
+    loss_fn: LossFn = sum_loss,
+    optimizer: OptimizerFactory | None = None,
+    precision: str = "32-true",
+    device: str | torch.device | None = None,
+    start: int = 8,
+    cap: int = DEFAULT_CAP,
+    steps: int = 2,
+    progress: Progress | None = None,
+    strategy: Strategy | None = None,
+    gpu: CudaDevice | None = None,
+    workers: int | None = None,
+) -> BatchSizeResult:
+    """The largest batch size whose training steps' estimated peak is within ``budget_bytes``.
+
+    ``make_batch(n)`` builds the batch of size ``n`` -- on the meta device, so that no size costs real
+    memory (:func:`resize_batch` makes one from an example batch). The other arguments are those of
+    :func:`~lightning_memest.estimate.estimate_step` (with a ``strategy``, the batch is one rank's and
+    so is the budget; ``gpu`` for CUDA); ``workers`` is how many probes may run at once (default: 2
+    where the machine has two cores and :func:`can_fork` allows it); ``start`` is the second size
+    probed (after 1) and ``cap`` the largest size considered. The search is :func:`search_batch_size` over
+    ``estimate_step(...).peak_bytes``; an :class:`~lightning_memest.errors.EstimationError` of a probe
+    propagates, with the batch size named.
+
+    Example:
+        >>> import torch
+        >>> r = max_batch_size(torch.nn.Linear(1000, 1000), lambda n: torch.empty(n, 1000, device="meta"),
+        ...                    2**24, optimizer=torch.optim.SGD)
+        >>> r.max_batch_size, r.peak_bytes_at_max <= 2**24
+        (1096, True)
+    """
+
+    config = StepConfig(loss_fn, optimizer, check_precision(precision), strategy)
+
+    def peak_of(n: int) -> PeakProfile:
+        # estimate_step(...).peak_bytes, without FLOPs or the report: a probe only needs the peak.
+        sim = simulate(
+            model, make_batch(n), config, device=device, steps=steps, capture=capture_filter(flops=False)
+        )
+        return peak_profile(sim, gpu)
+
+    if workers is None:
+        workers = min(2, os.cpu_count() or 1)
+    return search_batch_size(peak_of, budget_bytes, start=start, cap=cap, progress=progress, workers=workers)
+
+
+def can_fork() -> bool:
+    """Whether probes may run in forked processes here: Linux, no CUDA context, no other Python
+    thread and no process group in this process (forking any of those is unsafe)."""
+    return (
+        sys.platform.startswith("linux")
+        and "fork" in multiprocessing.get_all_start_methods()
+        and not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        and threading.active_count() == 1
+        and not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    )
+
+
+def _start_worker(peak_of: Callable[[int], int | PeakProfile]) -> _Worker | None:
+    """A worker for the search, or ``None`` where forking is unsafe or the child cannot run backward
+    (autograd refuses in a child forked after this process ran backward on fake tensors: the worker
+    is forked before the search's own first probe, and says at once whether it can)."""
+    if not can_fork():
+        return None
+    worker = _Worker(peak_of)
+    if worker.ready:
+        return worker
+    worker.close()
+    return None
+
+
+class _Worker:
+    """A forked process that answers probes for the search (``None`` for one it could not answer)."""
+
+    def __init__(self, peak_of: Callable[[int], int | PeakProfile]) -> None:
+        ctx = multiprocessing.get_context("fork")
+        self._conn, child_end = ctx.Pipe()
+        self._process = ctx.Process(target=_serve, args=(peak_of, child_end), daemon=True)
+        self._process.start()
+        child_end.close()
+        self.ready = self.result() == 0  # the child's first answer: whether it can run backward
+
+    def submit(self, n: int) -> None:
+        self._conn.send(n)
+
+    def result(self) -> int | PeakProfile | None:
+        try:
+            answer: int | PeakProfile | None = self._conn.recv()
+        except (EOFError, OSError):
+            return None
+        return answer
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send(None)
+        self._conn.close()
+        self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+
+
+def _serve(peak_of: Callable[[int], int | PeakProfile], conn: Any) -> None:
+    # A child forked after the parent ran backward on another device than the CPU (fake tensors' is
+    # meta) cannot run backward (autograd's device threads): say so at once; the search runs alone.
+    try:
+        torch.ones(1, device="meta", requires_grad=True).sum().backward()  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        conn.send(None)
+        return
+    conn.send(0)
+    while (n := conn.recv()) is not None:
+        try:
+            answer = peak_of(n)
+        except BaseException:
+            answer = None
+        conn.send(answer)
