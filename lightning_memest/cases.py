@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -52,7 +53,7 @@ from lightning_memest.engine.step import (
     true_dtype,
 )
 from lightning_memest.errors import SpecError
-from lightning_memest.estimate import estimate_step
+from lightning_memest.estimate import estimate
 from lightning_memest.measure import Measurement, measure_step
 from lightning_memest.report import StepEstimate
 
@@ -423,23 +424,13 @@ def estimate_case(
     strategy: Strategy | None = None,
     gpu: CudaDevice | None = None,
 ) -> StepEstimate:
-    """Estimate the case with :func:`~lightning_memest.estimate.estimate_step` (the model is untouched;
-    with a ``strategy``, as one rank of it).
+    """Estimate the case (the model is untouched; with a ``strategy``, as one rank of it).
 
-    ``estimate_step`` converts for ``*-true`` precisions and places the fake tensors on ``device``
-    itself, so the CPU float32 model and batch go in as they are.
+    The estimator converts for ``*-true`` precisions and places the fake tensors on ``device`` itself,
+    so the CPU float32 model and batch go in as they are.
     """
-    return estimate_step(
-        case.model,
-        case.batch,
-        loss_fn=case.config.loss_fn,
-        optimizer=case.config.optimizer,
-        precision=case.config.precision,
-        device=device,
-        steps=steps,
-        strategy=strategy,
-        gpu=gpu,
-    )
+    config = case.config if strategy is None else dataclasses.replace(case.config, strategy=strategy)
+    return estimate(case.model, case.batch, config, device=device, steps=steps, gpu=gpu)
 
 
 def measure_case(case: Case, *, device: str = "cpu", steps: int = 2) -> Measurement:

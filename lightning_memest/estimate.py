@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -12,10 +12,10 @@ from lightning_memest.accounting import account, capture_filter
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.simulate import simulate
-from lightning_memest.engine.step import LossFn, OptimizerFactory, StepConfig, check_precision, sum_loss
+from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
 from lightning_memest.report import StepEstimate
 
-__all__ = ["estimate_step"]
+__all__ = ["estimate", "estimate_step"]
 
 
 def estimate_step(
@@ -68,6 +68,27 @@ def estimate_step(
         >>> est.steady_state.breakdown.optimizer_state  # exp_avg, exp_avg_sq, and four step counters
         8478816
     """
-    config = StepConfig(loss_fn, optimizer, check_precision(precision), strategy)
+    config = StepConfig(loss_fn, optimizer, cast(Precision, precision), strategy)  # validates itself
+    return estimate(model, batch, config, device=device, steps=steps, gpu=gpu)
+
+
+def estimate(
+    model: nn.Module,
+    batch: Any,
+    config: StepConfig,
+    *,
+    device: str | torch.device | None = None,
+    steps: int = 2,
+    gpu: CudaDevice | None = None,
+) -> StepEstimate:
+    """:func:`estimate_step` for a step already described by a :class:`StepConfig` (what the CLI's cases
+    and scripts hold): the simulation on fake tensors, then its accounting.
+
+    Example:
+        >>> import torch
+        >>> est = estimate(torch.nn.Linear(8, 2), torch.randn(4, 8), StepConfig(optimizer=torch.optim.SGD))
+        >>> est.peak_bytes > 0
+        True
+    """
     sim = simulate(model, batch, config, device=device, steps=steps, capture=capture_filter(flops=True))
     return account(sim, gpu)

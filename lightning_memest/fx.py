@@ -72,7 +72,7 @@ import inspect
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import torch
 import torch.fx
@@ -87,11 +87,11 @@ from lightning_memest.engine.fake import setattr_raw
 from lightning_memest.engine.simulate import simulate
 from lightning_memest.engine.step import (
     LossFn,
+    Precision,
     Runner,
     StepConfig,
     StepListener,
     StepRunner,
-    check_precision,
     sum_loss,
 )
 from lightning_memest.engine.tracker import Tracker
@@ -181,7 +181,7 @@ def profile_graph(
         >>> p.node("_1").fwd_in == 8 * 14 * 14 * 4  # the second conv saves its input, the first's output
         True
     """
-    config = StepConfig(loss_fn=loss_fn, optimizer=None, precision=check_precision(precision))
+    config = StepConfig(loss_fn=loss_fn, optimizer=None, precision=cast(Precision, precision))
     gm = trace(model)
     recorder = _Recorder(gm)
     start = time.perf_counter()

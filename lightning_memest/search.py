@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ from lightning_memest.accounting import PeakProfile, capture_filter, peak_profil
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.simulate import simulate
-from lightning_memest.engine.step import LossFn, OptimizerFactory, StepConfig, check_precision, sum_loss
+from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
 from lightning_memest.errors import EstimationError
 from lightning_memest.report import format_bytes
 
@@ -336,7 +336,7 @@ def max_batch_size(
         (1096, True)
     """
 
-    config = StepConfig(loss_fn, optimizer, check_precision(precision), strategy)
+    config = StepConfig(loss_fn, optimizer, cast(Precision, precision), strategy)  # validates itself
 
     def peak_of(n: int) -> PeakProfile:
         # estimate_step(...).peak_bytes, without FLOPs or the report: a probe only needs the peak.
