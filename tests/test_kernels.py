@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_memest.accounting.kernels import CPU_KERNELS, KernelMemory, OpCall, TensorMeta, kernel_memory
-from lightning_memest.accounting.registry import OpRegistry
+from lightning_memest.registry import OpRegistry
 
 aten = torch.ops.aten
 

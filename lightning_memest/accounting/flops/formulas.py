@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
-from lightning_memest.accounting.registry import OpRegistry
 from lightning_memest.engine.events import OpCall, TensorMeta
+from lightning_memest.registry import OpRegistry
 
 __all__ = [
     "FLOP_FORMULAS",

@@ -35,8 +35,8 @@ from lightning_memest.accounting.kernels.model import (
     KernelMemory,
     KernelModel,
 )
-from lightning_memest.accounting.registry import OpRegistry
 from lightning_memest.engine.events import OpCall, TensorMeta
+from lightning_memest.registry import OpRegistry
 
 __all__ = [
     "CPU_KERNELS",

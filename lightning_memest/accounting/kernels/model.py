@@ -25,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_memest.accounting.registry import OpRegistry
 from lightning_memest.engine.events import OpCall
+from lightning_memest.registry import OpRegistry
 
 __all__ = [
     "CPU_KERNELS",

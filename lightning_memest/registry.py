@@ -1,4 +1,6 @@
-"""One registry type for everything keyed by aten op: kernel memory models, FLOP formulas, "other" FLOPs.
+"""One registry type for everything keyed by aten op: kernel memory models, FLOP formulas, "other" FLOPs,
+the engine's data-dependent policies. A leaf module (it imports nothing of the package), so that every
+layer can use it.
 
 Shaped like ``torch/utils/flop_counter.py``'s ``register_flop_formula``: a decorator registers a small
 pure function for ops, refusing what is not an op and refusing a second registration of the same key.
