@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_memest.errors import MemestError, MemoryBudgetError
+from lightning_memest.machine import mem_available
 from lightning_memest.report import StepEstimate, format_bytes
 
 __all__ = [
@@ -109,22 +110,13 @@ def parse_size(text: str) -> int:
 
 
 def _mem_available() -> int:
-    """``MemAvailable`` of ``/proc/meminfo``; psutil's figure where there is no ``/proc`` (macOS)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the file says kB, meaning KiB
-    except OSError:
-        pass
-    try:
-        import psutil  # optional: only where /proc is missing
-    except ImportError:
+    available = mem_available()
+    if available is None:
         raise MemestError(
             "cannot tell the memory this machine has available (no /proc/meminfo, no psutil); "
             "give the budget explicitly"
-        ) from None
-    return int(psutil.virtual_memory().available)
+        )
+    return available
 
 
 def device_budget(

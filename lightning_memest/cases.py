@@ -423,14 +423,16 @@ def estimate_case(
     steps: int = 2,
     strategy: Strategy | None = None,
     gpu: CudaDevice | None = None,
+    calibrate: bool = False,
 ) -> StepEstimate:
-    """Estimate the case (the model is untouched; with a ``strategy``, as one rank of it).
+    """Estimate the case (the model is untouched; with a ``strategy``, as one rank of it; with
+    ``calibrate``, the kernels measured on this machine, see ``estimate_step``).
 
     The estimator converts for ``*-true`` precisions and places the fake tensors on ``device`` itself,
     so the CPU float32 model and batch go in as they are.
     """
     config = case.config if strategy is None else dataclasses.replace(case.config, strategy=strategy)
-    return estimate(case.model, case.batch, config, device=device, steps=steps, gpu=gpu)
+    return estimate(case.model, case.batch, config, device=device, steps=steps, gpu=gpu, calibrate=calibrate)
 
 
 def measure_case(case: Case, *, device: str = "cpu", steps: int = 2) -> Measurement:

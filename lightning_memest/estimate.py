@@ -10,6 +10,7 @@ from torch import nn
 
 from lightning_memest.accounting import account, capture_filter
 from lightning_memest.accounting.cuda_device import CudaDevice
+from lightning_memest.accounting.kernels.calibrate import calibrate as calibrate_kernels
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.simulate import simulate
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
@@ -29,6 +30,7 @@ def estimate_step(
     steps: int = 2,
     strategy: Strategy | None = None,
     gpu: CudaDevice | None = None,
+    calibrate: bool = False,
 ) -> StepEstimate:
     """Estimate the peak memory of training steps of ``model`` on ``batch``, without running them.
 
@@ -56,6 +58,10 @@ def estimate_step(
         gpu: for ``device="cuda"``, the GPU (``CudaDevice``: its compute capability picks cuBLAS's
             workspace size, its context is reported apart); default: this machine's GPU, else an
             unknown one (PyTorch's pre-Hopper defaults, an assumed context).
+        calibrate: measure what this machine's kernels allocate beyond their outputs, each distinct
+            op signature run once for real, alone, at its exact shapes (small real allocations; cached
+            on disk per machine, see ``accounting.kernels.calibrate``), instead of relying on the hand
+            models alone. For the device the step runs on; not for a what-if.
 
     Example:
         >>> import torch
@@ -69,7 +75,7 @@ def estimate_step(
         8478816
     """
     config = StepConfig(loss_fn, optimizer, cast(Precision, precision), strategy)  # validates itself
-    return estimate(model, batch, config, device=device, steps=steps, gpu=gpu)
+    return estimate(model, batch, config, device=device, steps=steps, gpu=gpu, calibrate=calibrate)
 
 
 def estimate(
@@ -80,6 +86,7 @@ def estimate(
     device: str | torch.device | None = None,
     steps: int = 2,
     gpu: CudaDevice | None = None,
+    calibrate: bool = False,
 ) -> StepEstimate:
     """:func:`estimate_step` for a step already described by a :class:`StepConfig` (what the CLI's cases
     and scripts hold): the simulation on fake tensors, then its accounting.
@@ -90,5 +97,7 @@ def estimate(
         >>> est.peak_bytes > 0
         True
     """
-    sim = simulate(model, batch, config, device=device, steps=steps, capture=capture_filter(flops=True))
-    return account(sim, gpu)
+    capture = capture_filter(flops=True, calibrate=calibrate)
+    sim = simulate(model, batch, config, device=device, steps=steps, capture=capture)
+    calibration = calibrate_kernels(sim) if calibrate and sim.what_if is None else None
+    return account(sim, gpu, calibration)

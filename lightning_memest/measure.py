@@ -42,18 +42,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import gc
 import time
-import warnings
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
+from lightning_memest.allocator_events import CpuMemoryProfile, quiet_gc, window_figures
 from lightning_memest.batches import iter_tensors
 from lightning_memest.engine.fake import local_tensor, resident_tensors
 from lightning_memest.engine.step import StepConfig, StepRunner
@@ -134,19 +132,6 @@ def resident_bytes(tensors: Iterable[Tensor]) -> int:
     return total
 
 
-def _step_windows(events: list[Any], steps: int) -> list[tuple[int, int]]:
-    windows: dict[int, tuple[int, int]] = {}
-    for e in events:
-        name = e.name()
-        if name.startswith(STEP_LABEL):
-            i = int(name[len(STEP_LABEL) :])
-            windows[i] = (e.start_ns(), e.start_ns() + e.duration_ns())
-    missing = [i for i in range(steps) if i not in windows]
-    if missing:
-        raise RuntimeError(f"the profiler recorded no window for steps {missing}")
-    return [windows[i] for i in range(steps)]
-
-
 def cpu_step_peaks(
     events: Iterable[Any], steps: int, baseline: int = 0, carry: bool = True
 ) -> tuple[int, ...]:
@@ -156,26 +141,8 @@ def cpu_step_peaks(
     peak counts what earlier steps left behind; without, each step's peak is the rise of the running
     sum inside its window (for callers that know each step's resident bytes themselves).
     """
-    all_events = list(events)
-    windows = _step_windows(all_events, steps)
-    memory = sorted(
-        ((e.start_ns(), e.nbytes()) for e in all_events if e.name() == "[memory]"), key=lambda x: x[0]
-    )
-    peaks: list[int] = []
-    held = 0
-    k = 0
-    for start, end in windows:
-        while k < len(memory) and memory[k][0] < start:
-            held += memory[k][1]
-            k += 1
-        at_start = held
-        peak = held
-        while k < len(memory) and memory[k][0] <= end:
-            held += memory[k][1]
-            peak = max(peak, held)
-            k += 1
-        peaks.append(baseline + (peak if carry else peak - at_start))
-    return tuple(peaks)
+    windows = window_figures(events, STEP_LABEL, steps)
+    return tuple(baseline + (w.peak if carry else w.peak_rise) for w in windows)
 
 
 def measure_step(
@@ -210,7 +177,7 @@ def measure_step(
         raise ValueError(f"measure_step measures CPU or CUDA models; this one is on {device}")
     baseline = resident_bytes([*(module_tensors(built) if built is not None else ()), *iter_tensors(batch)])
     seconds: list[float] = []
-    with _quiet_gc(), _CpuMemoryProfile() as prof:
+    with quiet_gc(), CpuMemoryProfile() as prof:
         # Built in the profile: what the constructors keep (optimizer state some optimizers create
         # there, DDP's buckets, FSDP's shards) is in the running sum when the first step starts.
         runner = StepRunner(built if built is not None else model(), config)
@@ -256,48 +223,6 @@ def _mean_seconds(seconds: list[float]) -> float:
     return sum(timed) / len(timed)
 
 
-class _CpuMemoryProfile(profile):
-    """The CPU allocator's events, the ground truth on CPU."""
-
-    def __init__(self) -> None:
-        super().__init__(activities=[ProfilerActivity.CPU], profile_memory=True)
-
-    def __enter__(self) -> _CpuMemoryProfile:
-        # torch 2.11's profiler warns once per process, when a profile starts, that it "clears events
-        # at the end of each cycle": true and irrelevant here (one cycle per measurement), and it
-        # would land in the middle of a CLI's or a fit's output.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
-            super().__enter__()  # type: ignore[no-untyped-call]
-        return self
-
-    def allocator_events(self) -> list[Any]:
-        """Every event of the finished profile, the ``[memory]`` ones among them (kineto's list;
-        ``events()`` of the profile itself holds only a few dozen memory events)."""
-        assert self.profiler is not None and self.profiler.kineto_results is not None
-        return list(self.profiler.kineto_results.events())
-
-
-@contextmanager
-def _quiet_gc() -> Iterator[None]:
-    """No cyclic garbage collection while measuring on CPU.
-
-    The profiler remembers the size of every block allocated while any profiler ran, and reports its
-    free even in a later session. Garbage from earlier (an earlier measurement, a simulation's objects)
-    collected in the middle of a step would then lower that step's running sum -- measured: the
-    callback's first step read 24-30 % low after other profiled runs in one process. So: collect
-    first, then keep the collector off until the steps are measured.
-    """
-    gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 class StepProbe:
     """Measures training steps from inside a training loop: ``start(resident)`` before each step,
     ``stop()`` after it; the peaks come from ``finish()``.
@@ -324,7 +249,7 @@ class StepProbe:
         self.device = device
         self._baselines: list[int] = []
         self._cuda_peaks: list[tuple[int, int | None]] = []
-        self._profiler: _CpuMemoryProfile | None = None
+        self._profiler: CpuMemoryProfile | None = None
         self._window: record_function | None = None
         self._gc: contextlib.AbstractContextManager[None] | None = None
 
@@ -334,9 +259,9 @@ class StepProbe:
             torch.cuda.reset_peak_memory_stats(self.device)
             return
         if self._profiler is None:
-            self._gc = _quiet_gc()
+            self._gc = quiet_gc()
             self._gc.__enter__()
-            self._profiler = _CpuMemoryProfile()
+            self._profiler = CpuMemoryProfile()
             self._profiler.__enter__()
         self._baselines.append(resident_bytes(resident))
         self._window = record_function(f"{STEP_LABEL}{len(self._baselines) - 1}")

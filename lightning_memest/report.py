@@ -18,10 +18,12 @@ from lightning_memest.engine.events import Phase
 __all__ = [
     "NODE_ORDERS",
     "Breakdown",
+    "CalibrationSummary",
     "DataDependentRead",
     "FlopCount",
     "GraphProfile",
     "GraphTotals",
+    "KernelSource",
     "ModuleFlops",
     "ModuleStats",
     "NodeProfile",
@@ -374,6 +376,31 @@ def _shorten(text: str, width: int) -> str:
 
 
 @dataclass(frozen=True)
+class KernelSource:
+    """Where the kernel memory of one op's calls came from (what real kernels allocate beyond the fake
+    outputs): measured on this machine, a hand model, or neither (nothing assumed beyond outputs)."""
+
+    op: str
+    calibrated: int
+    modelled: int
+    uncovered: int
+
+
+@dataclass(frozen=True)
+class CalibrationSummary:
+    """What calibrating the kernels took (``accounting/kernels/calibrate.py``)."""
+
+    device: str
+    seconds: float
+    measured: int
+    """Distinct op signatures measured now."""
+    cached: int
+    """Distinct op signatures answered from the cache."""
+    failed: tuple[str, ...]
+    """Ops with signatures that could not be measured (their hand models hold)."""
+
+
+@dataclass(frozen=True)
 class StepEstimate:
     """The estimate of a training step's memory, for each simulated step.
 
@@ -405,6 +432,10 @@ class StepEstimate:
     cuda_context_bytes: int | None = None
     """On CUDA, the CUDA context outside the caching allocator (measured on a GPU, assumed in a
     what-if; see ``accounting.cuda_device``); ``None`` on CPU."""
+    calibration: CalibrationSummary | None = None
+    """What calibrating the kernels on this machine took; ``None`` when not calibrated."""
+    kernel_sources: tuple[KernelSource, ...] | None = None
+    """Per op, where the kernel memory came from (calibrated estimates only; ``None`` otherwise)."""
 
     @property
     def device_bytes(self) -> int | None:
@@ -447,6 +478,14 @@ class StepEstimate:
             },
             "estimate_seconds": round(self.estimate_seconds, 4),
             "data_dependent": self.data_dependent_json(),
+            "calibration": None
+            if self.calibration is None
+            else {
+                "seconds": round(self.calibration.seconds, 4),
+                "measured": self.calibration.measured,
+                "cached": self.calibration.cached,
+                "failed": list(self.calibration.failed),
+            },
         }
 
     def data_dependent_json(self) -> list[dict[str, Any]] | None:

@@ -32,7 +32,14 @@ from lightning_memest.accounting.cuda_alloc_conf import environment_alloc_conf
 from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
 from lightning_memest.accounting.cuda_device import DEFAULT_CONTEXT_BYTES, CudaDevice, library_workspace
 from lightning_memest.accounting.flops import FlopObserver, captures_flops
-from lightning_memest.accounting.kernels import KernelFn, captures_kernel, kernel_fn
+from lightning_memest.accounting.kernels import (
+    CalibratedKernels,
+    Calibration,
+    KernelFn,
+    captures_for_calibration,
+    captures_kernel,
+    kernel_fn,
+)
 from lightning_memest.accounting.replay import (
     ROLE_ORDER,
     CachingAllocatorReplay,
@@ -50,15 +57,18 @@ from lightning_memest.report import Breakdown, Peak, StepEstimate, TimelinePoint
 __all__ = ["PeakProfile", "account", "capture_filter", "peak_bytes", "peak_profile"]
 
 
-def capture_filter(*, flops: bool) -> CaptureFilter:
-    """The ops whose full call the accounting reads: those with a kernel model, and with ``flops``
-    those with a FLOP formula (``flops=False`` for callers that need only memory, such as the
-    batch-size search)."""
-    return _with_flops if flops else captures_kernel
+def capture_filter(*, flops: bool, calibrate: bool = False) -> CaptureFilter:
+    """The ops whose full call the accounting reads: those with a kernel model, with ``calibrate``
+    every op calibration can measure, and with ``flops`` those with a FLOP formula (``flops=False``
+    for callers that need only memory, such as the batch-size search)."""
+    kernels = captures_for_calibration if calibrate else captures_kernel
+    if not flops:
+        return kernels
 
+    def with_flops(op: OpOverload) -> bool:
+        return kernels(op) or captures_flops(op)
 
-def _with_flops(op: OpOverload) -> bool:
-    return captures_kernel(op) or captures_flops(op)
+    return with_flops
 
 
 def _gpu(sim: Simulation, gpu: CudaDevice | None) -> CudaDevice:
@@ -91,21 +101,26 @@ class _Memory:
     live: LiveBytes
     device: CachingAllocatorReplay | None
     gpu: CudaDevice | None
+    kernels: KernelFn
 
     @staticmethod
-    def of(sim: Simulation, gpu: CudaDevice | None, roles: dict[int, Role] | None = None) -> _Memory:
+    def of(
+        sim: Simulation,
+        gpu: CudaDevice | None,
+        calibration: Calibration | None,
+        roles: dict[int, Role] | None = None,
+    ) -> _Memory:
         # The exact live bytes follow the kernels that ran (a what-if ran CPU ones); the device
         # allocator, the kernels of the device accounted for.
-        live = LiveBytes(
-            final_roles(sim.events) if roles is None else roles,
-            sim.steps,
-            kernel_fn(sim.device.type, what_if=False),
-        )
         cuda = _gpu(sim, gpu) if sim.is_cuda else None
+        capability = cuda.capability if cuda is not None else None
+        ran = kernel_fn(sim.device.type, what_if=False, capability=capability, calibration=calibration)
+        live = LiveBytes(final_roles(sim.events) if roles is None else roles, sim.steps, ran)
         if cuda is None:
-            return _Memory(live, None, None)
-        kernels = kernel_fn("cuda", what_if=sim.what_if is not None, capability=cuda.capability)
-        return _Memory(live, _caching_allocator(sim, cuda, kernels), cuda)
+            return _Memory(live, None, None, ran)
+        what_if = sim.what_if is not None
+        kernels = ran if not what_if else kernel_fn("cuda", what_if=True, capability=capability)
+        return _Memory(live, _caching_allocator(sim, cuda, kernels), cuda, ran)
 
     @property
     def observers(self) -> tuple[Observer, ...]:
@@ -118,10 +133,11 @@ class _Memory:
         return max(p.live_bytes for p in self.live.peaks)
 
 
-def peak_bytes(sim: Simulation, gpu: CudaDevice | None = None) -> int:
+def peak_bytes(sim: Simulation, gpu: CudaDevice | None = None, calibration: Calibration | None = None) -> int:
     """The largest peak over a simulation's steps, exactly as ``StepEstimate.peak_bytes`` would say,
-    without building the report (``gpu``: the GPU of a CUDA simulation, as in ``estimate_step``)."""
-    memory = _Memory.of(sim, gpu)
+    without building the report (``gpu``: the GPU of a CUDA simulation, as in ``estimate_step``;
+    ``calibration``: the measured kernels, as in :func:`account`)."""
+    memory = _Memory.of(sim, gpu, calibration)
     walk(sim.events, *memory.observers)
     return memory.peak()
 
@@ -138,20 +154,26 @@ class PeakProfile:
     curve: tuple[int, ...]
 
 
-def peak_profile(sim: Simulation, gpu: CudaDevice | None = None) -> PeakProfile:
+def peak_profile(
+    sim: Simulation, gpu: CudaDevice | None = None, calibration: Calibration | None = None
+) -> PeakProfile:
     """:func:`peak_bytes` and the memory curve of ``sim`` (see :class:`PeakProfile`), in one walk."""
-    memory = _Memory.of(sim, gpu)
+    memory = _Memory.of(sim, gpu, calibration)
     walk(sim.events, *memory.observers)
     curve = tuple(s.live_bytes for s in memory.live.samples if s.event.phase is not Phase.SETUP)
     return PeakProfile(memory.peak(), curve)
 
 
-def account(sim: Simulation, gpu: CudaDevice | None = None) -> StepEstimate:
+def account(
+    sim: Simulation, gpu: CudaDevice | None = None, calibration: Calibration | None = None
+) -> StepEstimate:
     """The report of a simulation: peaks with their breakdowns, per-module figures, the timeline, FLOPs
     (of the ops the engine captured: simulate with ``capture_filter(flops=True)``), the tensor values
-    read, and on CUDA the allocator's and the device's figures (``gpu`` as in ``estimate_step``)."""
+    read, and on CUDA the allocator's and the device's figures (``gpu`` as in ``estimate_step``).
+    With a ``calibration`` of the simulation's device (``accounting.kernels.calibrate``), measured
+    kernel memory takes the place of the hand models wherever it has the signature."""
     roles = final_roles(sim.events)
-    memory = _Memory.of(sim, gpu, roles)
+    memory = _Memory.of(sim, gpu, calibration, roles)
     flops = FlopObserver()
     modules = ModuleFigures(roles)
     reads = DataDependentReads()
@@ -182,9 +204,11 @@ def account(sim: Simulation, gpu: CudaDevice | None = None) -> StepEstimate:
         data_dependent=reads.reads,
         reserved_bytes=reserved,
         flops=flops.count,
-        estimate_seconds=sim.seconds,
+        estimate_seconds=sim.seconds + (calibration.seconds if calibration is not None else 0.0),
         approximate=sim.what_if is not None,
         cuda_context_bytes=context,
+        calibration=calibration.summary() if calibration is not None else None,
+        kernel_sources=memory.kernels.sources() if isinstance(memory.kernels, CalibratedKernels) else None,
     )
 
 

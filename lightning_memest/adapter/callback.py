@@ -68,6 +68,11 @@ class MemEstimate(ModelSummary):
     ``memest/flops/backward``. It sets ``pl_module.flops_per_batch`` (forward + backward FLOPs of one
     batch) unless you did, so ``ThroughputMonitor`` reports MFU. After the check it costs nothing.
 
+    What real kernels allocate beyond their outputs (workspaces, reorders) is measured on the device
+    the trainer trains on (``calibrate=True``, the default): each distinct op signature of the step
+    runs once, alone, at its exact shapes -- a fraction of one real step, once per machine and shape
+    (cached on disk; ``MEMEST_CACHE_DIR``). ``calibrate=False`` keeps to the hand-fitted kernel models.
+
     It takes the place of Lightning's ``ModelSummary`` (``max_depth`` and the other arguments mean
     the same). A failure while estimating or measuring is one warning, never an error.
 
@@ -95,6 +100,7 @@ class MemEstimate(ModelSummary):
         max_depth: int = 1,
         *,
         check: bool = True,
+        calibrate: bool = True,
         memory_check: Literal["off", "warn", "raise"] = "warn",
         memory_budget: int | str | None = None,
         memory_margin_bytes: int | None = None,
@@ -104,6 +110,7 @@ class MemEstimate(ModelSummary):
         if memory_check not in ("off", "warn", "raise"):
             raise ValueError(f"memory_check must be 'off', 'warn' or 'raise'; got {memory_check!r}")
         self.check = check
+        self.calibrate = calibrate
         self.memory_check = memory_check
         self.memory_budget = memory_budget
         self.memory_margin_bytes = memory_margin_bytes
@@ -152,7 +159,9 @@ class MemEstimate(ModelSummary):
         start = time.perf_counter()
         fit = self._safely("reading the trainer and a training batch", lambda: fit_setup(trainer, pl_module))
         if fit is not None:
-            self.estimate = self._safely("estimating", lambda: fit.estimate(steps=CHECKED_STEPS))
+            self.estimate = self._safely(
+                "estimating", lambda: fit.estimate(steps=CHECKED_STEPS, calibrate=self.calibrate)
+            )
         self.setup_seconds = time.perf_counter() - start
         if self.estimate is not None:
             _set_flops_per_batch(pl_module, self.estimate)

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import CombinedLoader
 from torch import nn
 
 from lightning_memest.accounting import PeakProfile, account, capture_filter, peak_profile
+from lightning_memest.accounting.kernels.calibrate import calibrate as calibrate_kernels
 from lightning_memest.adapter.runner import LightningRunner
 from lightning_memest.batches import batch_size_of, resize_batch
 from lightning_memest.engine.distributed import DDP, Strategy, fsdp_like
@@ -73,9 +74,11 @@ class FitSetup:
             strategy=config.strategy,
         )
 
-    def simulate(self, batch: Any, *, steps: int = 2, flops: bool = True) -> Simulation:
+    def simulate(
+        self, batch: Any, *, steps: int = 2, flops: bool = True, calibrate: bool = False
+    ) -> Simulation:
         """Training batches of the module on fake tensors, as this fit runs them (``flops=False``
-        records only what memory needs)."""
+        records only what memory needs; ``calibrate`` records what calibration needs)."""
         return simulate(
             self.module,
             batch,
@@ -83,14 +86,16 @@ class FitSetup:
             runner=self.runner,
             device=self.device,
             steps=steps,
-            capture=capture_filter(flops=flops),
+            capture=capture_filter(flops=flops, calibrate=calibrate),
         )
 
-    def estimate(self, *, steps: int = 2) -> StepEstimate:
+    def estimate(self, *, steps: int = 2, calibrate: bool = False) -> StepEstimate:
         """The estimate of ``steps`` training batches like :attr:`batch`: the module's own
         ``training_step`` (automatic or manual optimization), ``configure_optimizers``, precision,
-        accumulation and clipping."""
-        return account(self.simulate(self.batch, steps=steps))
+        accumulation and clipping; with ``calibrate``, the kernels' memory measured on the device
+        the trainer trains on (``accounting.kernels.calibrate``)."""
+        sim = self.simulate(self.batch, steps=steps, calibrate=calibrate)
+        return account(sim, calibration=calibrate_kernels(sim) if calibrate else None)
 
     def max_batch_size(
         self,

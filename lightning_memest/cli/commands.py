@@ -26,7 +26,9 @@ TOP_MODULES = 5
 def _estimate(settings: Settings, out: TextIO) -> None:
     args = settings.args
     case = settings.build(args.model)
-    est = estimate_case(case, device=args.device, strategy=settings.strategy, gpu=settings.gpu)
+    est = estimate_case(
+        case, device=args.device, strategy=settings.strategy, gpu=settings.gpu, calibrate=args.calibrate
+    )
     fits = _fits_gpu(est, args.gpu_memory)
     if args.json:
         data = est.to_json()
@@ -99,6 +101,14 @@ def _print_estimate(est: StepEstimate, out: TextIO) -> None:
         print(f"    {'forward':<22}{human_flops(f.forward):>12}", file=out)
         print(f"    {'backward':<22}{human_flops(f.backward or 0):>12}", file=out)
         print(f"    {'other (elementwise...)':<22}{human_flops(f.other_total):>12}", file=out)
+    if est.calibration is not None:
+        c = est.calibration
+        note = f"; not measurable, their hand models held: {', '.join(c.failed)}" if c.failed else ""
+        print(
+            f"\n  kernels calibrated on this machine: {c.measured} op signatures measured in"
+            f" {c.seconds:.2f} s, {c.cached} from the cache{note}",
+            file=out,
+        )
     print(f"\n  estimated in {est.estimate_seconds:.2f} s", file=out)
 
 
@@ -167,7 +177,7 @@ def _compare(settings: Settings, out: TextIO) -> None:
         try:
             print(f"{PROG}: [{i}/{n}] estimating {spec}", file=sys.stderr, flush=True)
             # A fresh, identically seeded model for each run: measuring trains the model in place.
-            est = estimate_case(settings.build(spec), device=args.device)
+            est = estimate_case(settings.build(spec), device=args.device, calibrate=args.calibrate)
             print(f"{PROG}: [{i}/{n}] measuring {spec}", file=sys.stderr, flush=True)
             m = measure_case(settings.build(spec), device=args.device)
         except MemestError as e:

@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("model", metavar="MODEL", help=model_help)
         _add_case_flags(p)
         if name == "estimate":
+            _add_calibrate_flag(p)
             _add_strategy_flags(p)
             _add_gpu_flags(p, memory=True)
     p = sub.add_parser(
@@ -112,9 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("models", metavar="MODEL", nargs="+", help=model_help)
     _add_case_flags(p)
+    _add_calibrate_flag(p)
     _add_max_batch_size_parser(sub, model_help)
     _add_profile_parser(sub, model_help)
     return parser
+
+
+def _add_calibrate_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="measure what this machine's kernels allocate beyond their outputs: each distinct op of "
+        "the step runs once, alone, for real (small; cached per machine in $MEMEST_CACHE_DIR)",
+    )
 
 
 def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
@@ -310,6 +321,8 @@ class Settings:
 
 def settings(args: argparse.Namespace) -> Settings:
     """Check the flags of ``args`` together; a :class:`SpecError` names what is wrong."""
+    if getattr(args, "calibrate", False) and args.device == "cuda" and not torch.cuda.is_available():
+        raise SpecError("--calibrate measures this machine's kernels: there is no GPU here for --device cuda")
     return Settings(args, _input_spec(args), _model_kwargs(args.model_kwargs), _strategy(args), _gpu(args))
 
 

@@ -1,13 +1,15 @@
 """Memory that real kernels allocate beyond what their fake (meta) kernels report, per kind of run.
 
-Where each concept lives: ``model.py`` (what a model answers, the registries), ``cpu.py`` (oneDNN
+Where each concept lives: ``model.py`` (what a model answers, the registries), ``calibrate.py`` (the
+machine's own kernels measured, per op signature, cached), and the hand models: ``cpu.py`` (oneDNN
 arithmetic; matrix products, normalization, reductions), ``cpu_conv.py`` (convolutions),
-``cpu_rnn.py`` (the LSTM), ``cuda_attention.py`` (SDPA's CUDA backends, for what-ifs). A new kernel
-model is a small function registered in the file of its device and op family.
+``cpu_rnn.py`` (the LSTM), ``cuda_attention.py`` (SDPA's CUDA backends, for what-ifs). A new hand model
+is a small function registered in the file of its device and op family.
 
-This module holds the policy: :func:`kernel_fn` says which registry speaks for a simulation -- CPU
-models for a run on the CPU, CUDA models for a run on a GPU, and for a CUDA what-if (CPU kernels ran,
-CUDA is accounted) the what-if models: the oneDNN models do not apply to CUDA.
+This module holds the policy: :func:`kernel_fn` says who speaks for a simulation -- a calibration of
+its device where it has the signature, else the hand models: CPU models for a run on the CPU, CUDA
+models for a run on a GPU, and for a CUDA what-if (CPU kernels ran, CUDA is accounted) the what-if
+models: the oneDNN models do not apply to CUDA.
 
 Example:
     >>> import torch
@@ -21,11 +23,13 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from torch._ops import OpOverload
 
 # Imported for their registrations.
 from lightning_memest.accounting.kernels import cpu, cpu_conv, cpu_rnn, cuda_attention  # noqa: F401
+from lightning_memest.accounting.kernels.calibrate import Calibration, calibratable, outputs_only
 from lightning_memest.accounting.kernels.model import (
     CPU_KERNELS,
     CUDA_KERNELS,
@@ -37,16 +41,20 @@ from lightning_memest.accounting.kernels.model import (
 )
 from lightning_memest.engine.events import OpCall, TensorMeta
 from lightning_memest.registry import OpRegistry
+from lightning_memest.report import KernelSource
 
 __all__ = [
     "CPU_KERNELS",
     "CUDA_KERNELS",
     "CUDA_WHAT_IF_KERNELS",
+    "CalibratedKernels",
+    "Calibration",
     "KernelFn",
     "KernelMemory",
     "KernelModel",
     "OpCall",
     "TensorMeta",
+    "captures_for_calibration",
     "captures_kernel",
     "kernel_fn",
     "kernel_memory",
@@ -76,16 +84,70 @@ def _cuda(registry: OpRegistry[CudaKernelModel], capability: Capability) -> Kern
     return fn
 
 
-def kernel_fn(device_type: str, *, what_if: bool, capability: Capability = None) -> KernelFn:
-    """The kernel models of a simulation on ``device_type`` (``what_if``: a CUDA what-if, which ran on
-    the CPU); ``capability`` is the GPU's, for CUDA models."""
+def _hand(device_type: str, what_if: bool, capability: Capability) -> tuple[KernelFn, OpRegistry[Any]]:
     if what_if:
-        return _cuda(CUDA_WHAT_IF_KERNELS, capability)
+        return _cuda(CUDA_WHAT_IF_KERNELS, capability), CUDA_WHAT_IF_KERNELS
     if device_type == "cuda":
-        return _cuda(CUDA_KERNELS, capability)
-    return kernel_memory
+        return _cuda(CUDA_KERNELS, capability), CUDA_KERNELS
+    return kernel_memory, CPU_KERNELS
+
+
+def kernel_fn(
+    device_type: str,
+    *,
+    what_if: bool,
+    capability: Capability = None,
+    calibration: Calibration | None = None,
+) -> KernelFn:
+    """The kernel memory of a simulation on ``device_type`` (``what_if``: a CUDA what-if, which ran on
+    the CPU; ``capability`` is the GPU's, for CUDA models): the hand models, or with a ``calibration``
+    of that device the measured figure of each calibrated signature and the hand model elsewhere
+    (:class:`CalibratedKernels`)."""
+    hand, registry = _hand(device_type, what_if, capability)
+    if calibration is None or what_if or calibration.device != device_type:
+        return hand
+    return CalibratedKernels(calibration, hand, registry)
+
+
+class CalibratedKernels:
+    """Measured kernel memory where the calibration has the call's signature, the hand model elsewhere;
+    it counts, per op, where its answers came from (:meth:`sources`). Answers are remembered per call
+    object, so the two replays of a CUDA simulation look each signature up once."""
+
+    def __init__(self, calibration: Calibration, hand: KernelFn, registry: OpRegistry[Any]) -> None:
+        self.calibration = calibration
+        self.hand = hand
+        self.registry = registry
+        self._memo: dict[int, KernelMemory | None] = {}
+        self._counts: dict[str, list[int]] = {}  # op -> [calibrated, modelled, uncovered]
+
+    def __call__(self, call: OpCall) -> KernelMemory | None:
+        key = id(call)
+        if key in self._memo:
+            return self._memo[key]
+        found, result = self.calibration.lookup(call)
+        if found:
+            slot = 0
+        else:
+            result = self.hand(call)
+            # Modelled: a hand model, or the rule that such a call allocates only its outputs.
+            slot = 1 if self.registry.lookup(call.op) is not None or outputs_only(call) else 2
+        if found or slot == 1 or calibratable(call.op):
+            self._counts.setdefault(str(call.op), [0, 0, 0])[slot] += 1
+        self._memo[key] = result
+        return result
+
+    def sources(self) -> tuple[KernelSource, ...]:
+        """Per op (overload name, sorted): how many of its calls were answered by calibration, by a hand
+        model, or by neither (nothing assumed beyond the outputs: a call calibration could not run)."""
+        return tuple(KernelSource(op, *counts) for op, counts in sorted(self._counts.items()))
 
 
 def captures_kernel(op: OpOverload) -> bool:
     """Whether any kernel model needs ``op``'s full call: part of the engine's capture filter."""
     return any(r.lookup(op) is not None for r in (CPU_KERNELS, CUDA_KERNELS, CUDA_WHAT_IF_KERNELS))
+
+
+def captures_for_calibration(op: OpOverload) -> bool:
+    """Whether calibration needs ``op``'s full call: a hand model's op, or one it can measure."""
+    return captures_kernel(op) or calibratable(op)

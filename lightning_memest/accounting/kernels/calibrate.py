@@ -1,0 +1,494 @@
+"""Kernel memory measured on this machine: each distinct op signature of a simulation, run once for real.
+
+The hand models (``cpu.py``, ``cpu_conv.py``, ...) were fitted on one CPU; oneDNN, cuDNN and cuBLAS
+choose their algorithms -- and their scratch buffers -- by the machine, the shapes and the library
+versions. The machine itself can say what its kernels allocate. :func:`calibrate` takes every distinct
+op signature of a simulation (the op overload, each tensor argument's shape, strides and dtype, and the
+other arguments), builds real zero-filled inputs of exactly that metadata on the simulated device, runs
+the op alone, and measures:
+
+* on the CPU, with the allocator's events (``allocator_events.py``; one profiler around all the ops,
+  each op in its own window): the highest point inside the op above what existed before it, and what
+  the op leaves allocated;
+* on CUDA, with ``memory_allocated``/``max_memory_allocated`` around the op (which also lets cuDNN
+  choose, and cache, the algorithm the real step will use).
+
+From those: the op's outputs as the real kernel allocates them (``extra_output_bytes``: beyond what the
+fake kernel reported) and its transient excess (``workspace_bytes``: the high point beyond what
+existed before plus the outputs), the :class:`KernelMemory` the accounting reads. A calibrated
+signature takes the place of the hand model; ops it cannot run (values it cannot guess, an input that
+would not fit the memory available, a failure) keep the hand model.
+
+Answers are cached on disk under the machine's key (``machine.py``: ISA and flags, thread count,
+torch and library releases, the environment variables that change kernels), in ``MEMEST_CACHE_DIR``
+or the user's cache directory: a second estimate of the same model on the same machine measures
+nothing.
+
+Example:
+    >>> import torch
+    >>> from lightning_memest.engine.simulate import simulate
+    >>> from lightning_memest.engine.step import StepConfig
+    >>> from lightning_memest.accounting import capture_filter
+    >>> sim = simulate(torch.nn.Linear(64, 64), torch.randn(8, 64), StepConfig(), capture=capture_filter(
+    ...     flops=False, calibrate=True))
+    >>> table = calibrate(sim, cache_dir=None)
+    >>> table.measured > 0 and table.failed == ()
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._ops import OpOverload
+from torch.profiler import record_function
+from torch.utils._pytree import tree_leaves
+
+from lightning_memest.accounting.kernels.model import CPU_KERNELS, CUDA_KERNELS, KernelMemory
+from lightning_memest.allocator_events import CpuMemoryProfile, quiet_gc, window_figures
+from lightning_memest.engine.events import OpCall, OpEvent, TensorMeta
+from lightning_memest.engine.simulate import Simulation
+from lightning_memest.machine import machine_facts, machine_key, mem_available
+from lightning_memest.report import CalibrationSummary
+
+__all__ = [
+    "CACHE_ENV",
+    "Calibration",
+    "calibratable",
+    "calibrate",
+    "default_cache_dir",
+    "outputs_only",
+    "signature",
+]
+
+#: The environment variable naming the cache directory (default: ``~/.cache/lightning_memest``).
+CACHE_ENV = "MEMEST_CACHE_DIR"
+_CACHE_VERSION = 1
+_WINDOW = "memest_kernel_"
+#: Ops that never allocate beyond their outputs or cannot run alone: scalar reads, aliasing helpers.
+_NEVER = frozenset({"aten::_local_scalar_dense", "aten::detach", "aten::lift_fresh", "aten::alias"})
+#: An op is run only if its inputs and outputs take at most this share of the memory available.
+_MEMORY_SHARE = 0.5
+
+
+def calibratable(op: OpOverload) -> bool:
+    """Whether ``op`` can be calibrated: an aten op that allocates (not a view), whose outputs do not
+    depend on its inputs' values (those follow the engine's data-dependent policy)."""
+    if op.namespace != "aten" or op.is_view or op._schema.name in _NEVER:
+        return False
+    tags = op.tags
+    return torch.Tag.dynamic_output_shape not in tags and torch.Tag.data_dependent_output not in tags
+
+
+def outputs_only(call: OpCall) -> bool:
+    """Whether ``call`` needs no measuring: a pointwise op (or a ``_foreach_`` one) whose tensors all
+    have one dtype allocates exactly its outputs (TensorIterator computes strided and in place; measured
+    here: relu on a strided input, bf16 gelu and sigmoid, ``_foreach_add``). With mixed dtypes it does
+    not -- ``bf16.add_(fp32)`` holds two float32 copies, 8 MiB for 1 Mi elements -- so those are
+    measured. The optimizer's ``_foreach_`` updates over all parameters are most of the work this
+    rule saves."""
+    op = call.op
+    if torch.Tag.pointwise not in op.tags and not op.overloadpacket.__name__.startswith("_foreach_"):
+        return False
+    dtypes = {v.dtype for v in tree_leaves((call.args, call.kwargs)) if isinstance(v, TensorMeta)}
+    dtypes.update(o.dtype for o in call.outputs if o is not None)
+    return len(dtypes) <= 1
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, TensorMeta):
+        return f"T{value.shape}{value.stride}{str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_describe(v) for v in value) + "]"
+    return repr(value)
+
+
+def signature(call: OpCall) -> str:
+    """What decides an op's kernel memory: the overload, the device, each argument (tensors by shape,
+    strides and dtype).
+
+    >>> from lightning_memest.engine.events import TensorMeta
+    >>> x = TensorMeta.of(torch.empty(2, 3))
+    >>> signature(OpCall(torch.ops.aten.relu.default, (x,), {}, (x,), "cpu"))
+    'aten.relu.default|cpu|T(2, 3)(3, 1)float32'
+    """
+    args = ";".join(_describe(a) for a in call.args)
+    kwargs = "".join(f";{k}={_describe(v)}" for k, v in sorted(call.kwargs.items()))
+    return f"{call.op}|{call.device_type}|{args}{kwargs}"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The measured kernel memory of a simulation's op signatures, and what measuring them took."""
+
+    entries: Mapping[str, KernelMemory | None]
+    """Signature -> what the real kernel allocates beyond the fake outputs (``None``: nothing)."""
+    device: str
+    seconds: float
+    """Wall seconds of the calibration (0 when everything came from the cache)."""
+    measured: int
+    """Signatures measured now."""
+    cached: int
+    """Signatures found in the cache."""
+    failed: tuple[str, ...] = ()
+    """Ops (overload names) of the signatures that could not be measured: their hand models hold."""
+
+    def summary(self) -> CalibrationSummary:
+        """The report's account of this calibration."""
+        return CalibrationSummary(self.device, self.seconds, self.measured, self.cached, self.failed)
+
+    def lookup(self, call: OpCall) -> tuple[bool, KernelMemory | None]:
+        """``(found, kernel memory)`` of ``call``'s signature."""
+        key = signature(call)
+        if key in self.entries:
+            return True, self.entries[key]
+        return False, None
+
+
+# ------------------------------------------------------------------------------------------- the cache
+
+
+def default_cache_dir() -> Path:
+    """``$MEMEST_CACHE_DIR``, else ``$XDG_CACHE_HOME/lightning_memest``, else
+    ``~/.cache/lightning_memest``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "lightning_memest"
+
+
+_Stored = list[Any] | None  # [workspace_bytes, extra_output_bytes or None], or None for nothing
+
+
+def _to_json(km: KernelMemory | None) -> _Stored:
+    if km is None:
+        return None
+    return [km.workspace_bytes, list(km.extra_output_bytes) if km.extra_output_bytes is not None else None]
+
+
+def _from_json(value: _Stored) -> KernelMemory | None:
+    if value is None:
+        return None
+    workspace, extra = value
+    return KernelMemory(int(workspace), True, tuple(int(e) for e in extra) if extra is not None else None)
+
+
+_MEMORY: dict[Path, dict[str, _Stored]] = {}  # the files read in this process
+
+
+def _cache_file(directory: Path, device: str) -> Path:
+    return directory / f"kernels-{device}-{machine_key(device)}.json"
+
+
+def _load(path: Path) -> dict[str, _Stored]:
+    if path in _MEMORY:
+        return _MEMORY[path]
+    entries: dict[str, _Stored] = {}
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") == _CACHE_VERSION:
+            entries = dict(data["entries"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no cache yet, or an unreadable one: measure again
+    _MEMORY[path] = entries
+    return entries
+
+
+def _store(path: Path, device: str, new: dict[str, _Stored]) -> None:
+    entries = _MEMORY.setdefault(path, {})
+    entries.update(new)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Another process (a DDP rank) may have added entries meanwhile: merge, then replace atomically.
+        merged = dict(_load_fresh(path))
+        merged.update(entries)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        data = {"version": _CACHE_VERSION, "machine": machine_facts(device), "entries": merged}
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache directory: the entries stay in this process's memory
+
+
+def _load_fresh(path: Path) -> dict[str, _Stored]:
+    try:
+        data = json.loads(path.read_text())
+        return dict(data["entries"]) if data.get("version") == _CACHE_VERSION else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+# ------------------------------------------------------------------------------------------ measuring
+
+
+def _real(meta: TensorMeta, device: torch.device) -> Tensor:
+    """A zero-filled tensor with ``meta``'s shape, strides and dtype (zeros: valid indices and targets,
+    and no denormal or NaN slow paths)."""
+    if any(s == 0 for s in meta.shape):
+        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)
+    size = 1 + sum((s - 1) * st for s, st in zip(meta.shape, meta.stride, strict=True))
+    return torch.zeros(size, dtype=meta.dtype, device=device).as_strided(meta.shape, meta.stride)
+
+
+def _tensor_bytes(values: Any) -> int:
+    return sum(v.bytes for v in tree_leaves(values) if isinstance(v, TensorMeta))
+
+
+def _fits(call: OpCall, available: int | None) -> bool:
+    needed = _tensor_bytes((call.args, call.kwargs)) + sum(o.bytes for o in call.outputs if o is not None)
+    return available is None or needed <= _MEMORY_SHARE * available
+
+
+@contextmanager
+def _no_autograd() -> Iterator[None]:
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        yield
+
+
+class _Guard:
+    """Placeholder inputs. A meta kernel may return an empty placeholder for a real buffer (oneDNN's LSTM
+    workspace, cuDNN's RNN reserve): the fake run hands it to the consumer (the backward), whose real
+    kernel would read far past the end of an empty tensor -- a crash, not an exception. So outputs that
+    are empty in the fake run but not for real are remembered by their metadata, in the simulation's
+    order: with their real size where it was measured (then a consumer gets an input of that size,
+    the largest such producer's, as in the real run), as unknown where only a hand model or a failed
+    measurement says so (then a consumer is not run: its hand model holds). A placeholder a hand model
+    knows of stays unknown until a measurement sizes it."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[TensorMeta, int] = {}
+        self.unknown: set[TensorMeta] = set()
+
+    def note(self, call: OpCall, result: KernelMemory | None, *, measured: bool) -> None:
+        if result is None or result.extra_output_bytes is None:
+            return
+        for meta, extra in zip(call.outputs, result.extra_output_bytes, strict=False):
+            if meta is None or extra <= 0 or meta.numel != 0:
+                continue
+            if measured:
+                self.sizes[meta] = max(self.sizes.get(meta, 0), meta.nbytes + extra)
+            else:
+                self.unknown.add(meta)
+
+    def safe(self, call: OpCall) -> bool:
+        values = tree_leaves((call.args, call.kwargs))
+        return not any(
+            isinstance(v, TensorMeta) and v in self.unknown and v not in self.sizes for v in values
+        )
+
+    def materialize(self, value: Any, device: torch.device) -> Any:
+        """``value`` with every ``TensorMeta`` made a real zero-filled tensor (a placeholder at its real
+        size), nested lists and tuples included."""
+        if isinstance(value, TensorMeta):
+            real = self.sizes.get(value)
+            if real is not None:
+                return torch.zeros(-(-real // value.itemsize), dtype=value.dtype, device=device)
+            return _real(value, device)
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.materialize(v, device) for v in value)
+        return value
+
+    def inputs(self, call: OpCall, device: torch.device) -> tuple[Any, dict[str, Any], set[int]]:
+        """Real inputs of ``call`` on ``device``, and the storages they hold (outputs on those are not
+        new allocations)."""
+        args = self.materialize(call.args, device)
+        kwargs = {k: self.materialize(v, device) for k, v in call.kwargs.items()}
+        held = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
+        return args, kwargs, held
+
+
+class _Unsafe(Exception):
+    """An op left alone: an input of it would be a placeholder of unknown real size (see ``_Guard``)."""
+
+
+def _measure_cpu(calls: Sequence[OpCall], guard: _Guard) -> list[KernelMemory | BaseException | None]:
+    """Each call run alone on the CPU, inside one profiler of the allocator's events: inputs are made
+    before the op's window, outputs dropped after it."""
+    device = torch.device("cpu")
+    outcomes: list[tuple[_Sizes, set[int]] | BaseException] = []
+    with quiet_gc(), _no_autograd(), CpuMemoryProfile() as prof:
+        for i, call in enumerate(calls):
+            failure: BaseException | None = None if guard.safe(call) else _Unsafe(str(call.op))
+            args: Any = ()
+            kwargs: dict[str, Any] = {}
+            inputs: set[int] = set()
+            if failure is None:
+                try:
+                    args, kwargs, inputs = guard.inputs(call, device)
+                except Exception as exc:  # an input this machine cannot make: the hand model holds
+                    failure = exc
+            with record_function(f"{_WINDOW}{i}"):
+                if failure is None:
+                    try:
+                        out = call.op(*args, **kwargs)
+                    except Exception as exc:
+                        failure = exc
+            if failure is None:
+                sizes = _sizes(out)
+                del out  # freed between windows: the next window starts from what is left
+                outcomes.append((sizes, inputs))
+                guard.note(call, _result_from_sizes(call, sizes, inputs, 0, 0), measured=True)
+            else:
+                outcomes.append(failure)
+                guard.note(call, _hand_model(call), measured=False)
+            del args, kwargs
+    windows = window_figures(prof.allocator_events(), _WINDOW, len(calls))
+    results: list[KernelMemory | BaseException | None] = []
+    for call, outcome, w in zip(calls, outcomes, windows, strict=True):
+        if isinstance(outcome, BaseException):
+            results.append(outcome)
+        else:
+            results.append(_result_from_sizes(call, *outcome, w.peak_rise, w.end - w.start))
+    return results
+
+
+_Sizes = list[tuple[int, int] | None]  # per flattened output: (storage pointer, storage bytes)
+
+
+def _sizes(out: Any) -> _Sizes:
+    return [
+        (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) if isinstance(t, Tensor) else None
+        for t in tree_leaves(out)
+    ]
+
+
+def _result_from_sizes(
+    call: OpCall, sizes: _Sizes, inputs: set[int], peak_rise: int, held: int
+) -> KernelMemory | None:
+    """The kernel memory of one measured call: ``peak_rise`` above what existed before it, ``held``
+    what it left allocated (its new outputs, as the real kernel sized them)."""
+    extra: list[int] = []
+    seen = set(inputs)
+    for fake, real in zip(call.outputs, sizes, strict=False):
+        if fake is None or real is None or real[0] in seen or real[0] == 0:
+            extra.append(0)
+            continue
+        seen.add(real[0])
+        extra.append(max(0, real[1] - fake.nbytes))
+    workspace = max(0, peak_rise - held)
+    extra_bytes = tuple(extra) if any(extra) else None
+    if workspace == 0 and extra_bytes is None:
+        return None
+    return KernelMemory(workspace, True, extra_bytes)
+
+
+def _measure_cuda(
+    calls: Sequence[OpCall], device: torch.device, guard: _Guard
+) -> list[KernelMemory | BaseException | None]:
+    """Each call run alone on the GPU, between ``memory_allocated`` and ``max_memory_allocated``."""
+    results: list[KernelMemory | BaseException | None] = []
+    with torch.no_grad():
+        # cuBLAS takes its workspace at its first matmul and keeps it (a library workspace, modelled
+        # apart in accounting/cuda_device.py): take it before measuring.
+        torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)
+        for call in calls:
+            if not guard.safe(call):
+                results.append(_Unsafe(str(call.op)))
+                guard.note(call, _hand_model(call), measured=False)
+                continue
+            try:
+                args, kwargs, inputs = guard.inputs(call, device)
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
+                out = call.op(*args, **kwargs)
+                torch.cuda.synchronize(device)
+                peak = torch.cuda.max_memory_allocated(device) - before
+                held = torch.cuda.memory_allocated(device) - before
+                result = _result_from_sizes(call, _sizes(out), inputs, peak, held)
+                del out, args, kwargs
+                guard.note(call, result, measured=True)
+                results.append(result)
+            except Exception as exc:
+                results.append(exc)
+                guard.note(call, _hand_model(call), measured=False)
+    return results
+
+
+# ------------------------------------------------------------------------------------------ calibrate
+
+
+def _hand_model(call: OpCall) -> KernelMemory | None:
+    """What the hand model of ``call``'s device says (for the guard: outputs bigger than faked)."""
+    if call.device_type == "cuda":
+        cuda = CUDA_KERNELS.lookup(call.op)
+        return cuda(call, None) if cuda is not None else None
+    cpu = CPU_KERNELS.lookup(call.op)
+    return cpu(call) if cpu is not None else None
+
+
+def _distinct_calls(sim: Simulation) -> dict[str, OpCall]:
+    calls: dict[str, OpCall] = {}
+    for e in sim.events:
+        call = e.call if type(e) is OpEvent else None
+        if call is not None and calibratable(call.op) and not outputs_only(call):
+            calls.setdefault(signature(call), call)
+    return calls
+
+
+def calibrate(sim: Simulation, *, cache_dir: Path | str | bool | None = True) -> Calibration:
+    """Measure the kernel memory of every distinct op signature of ``sim`` on its device (the CPU, or
+    this machine's GPU), from the cache where it has the answer.
+
+    ``sim`` must have been simulated with ``capture_filter(..., calibrate=True)`` (so that every op's
+    call was recorded) on a device that is present: a what-if cannot be calibrated. ``cache_dir``:
+    ``True`` for :func:`default_cache_dir`, a directory, or ``None``/``False`` for no disk cache.
+    """
+    if sim.what_if is not None:
+        raise ValueError(f"a {sim.what_if} what-if ran on another device: there is nothing to calibrate")
+    device = sim.device
+    start = time.perf_counter()
+    calls = _distinct_calls(sim)
+    directory = default_cache_dir() if cache_dir is True else Path(cache_dir) if cache_dir else None
+    path = _cache_file(directory, device.type) if directory is not None else None
+    known = _load(path) if path is not None else {}
+    entries: dict[str, KernelMemory | None] = {k: _from_json(known[k]) for k in calls if k in known}
+    todo = {k: c for k, c in calls.items() if k not in known}
+    available = (
+        mem_available()
+        if device.type == "cpu"
+        else torch.cuda.mem_get_info(device)[0]
+        if device.type == "cuda"
+        else None
+    )
+    runnable = {k: c for k, c in todo.items() if _fits(c, available)}
+    failed = {str(c.op) for k, c in todo.items() if k not in runnable}
+    measured: dict[str, _Stored] = {}
+    guard = _Guard()
+    for key, call in calls.items():  # placeholders the hand models know of; sizes the cache knows
+        guard.note(call, _hand_model(call), measured=False)
+        if key in entries:
+            guard.note(call, entries[key], measured=True)
+    if runnable:
+        keys = list(runnable)
+        chosen = list(runnable.values())
+        if device.type == "cuda":
+            results = _measure_cuda(chosen, device, guard)
+        else:
+            results = _measure_cpu(chosen, guard)
+        for key, result in zip(keys, results, strict=True):
+            if isinstance(result, BaseException):
+                failed.add(str(runnable[key].op))
+                continue
+            entries[key] = result
+            measured[key] = _to_json(result)
+        if path is not None and measured:
+            _store(path, device.type, measured)
+    seconds = time.perf_counter() - start if runnable else 0.0
+    return Calibration(
+        entries=entries,
+        device=device.type,
+        seconds=seconds,
+        measured=len(measured),
+        cached=len(calls) - len(todo),
+        failed=tuple(sorted(failed)),
+    )
