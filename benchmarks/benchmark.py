@@ -8,7 +8,10 @@ For each case:
     estimator has to at least run every op's shape function;
   * ratio      -- estimate / floor;
   * error      -- estimate vs ``measure`` (real steps; peaks from the profiler's allocator events) for
-    the first step and the steady state.
+    the first step and the steady state, with the hand-fitted kernel models;
+  * calibrated -- the same with the kernels calibrated on this machine (``estimate_case(calibrate=True)``,
+    a fresh cache), and the seconds the calibration took the first time (the second estimate reads
+    the cache: its calibration seconds are printed too).
 Then the memory of estimating a 7-billion-parameter transformer built on the meta device: the
 process's peak resident-memory growth during the estimate (in a fresh subprocess).
 
@@ -24,9 +27,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -37,11 +42,10 @@ from torch.utils._pytree import tree_map_only
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.test_accuracy import CASES as ACCURACY_CASES  # noqa: E402
-from tests.test_accuracy import case_input as _input  # noqa: E402
-
 from lightning_memest.cases import Case, build_case, estimate_case, measure_case  # noqa: E402
 from lightning_memest.engine.step import StepRunner, true_dtype  # noqa: E402
+from tests.test_estimate import CASES as ACCURACY_CASES  # noqa: E402
+from tests.test_estimate import case_input as _input  # noqa: E402
 
 # The visible set of the accuracy test, and efficientnet_v2_s (MemTracker's slowest case in NOTES.md).
 CASES = [*ACCURACY_CASES, ("torchvision.models:efficientnet_v2_s", 4, "adam", "32-true")]
@@ -68,15 +72,36 @@ def meta_floor_seconds(case: Case) -> float:
     return time.perf_counter() - start
 
 
+def real_step_seconds(case: Case) -> float:
+    """Seconds of one real training step (the mean of steps 2 and 3, without any profiler)."""
+    model = copy.deepcopy(case.model)
+    dtype = true_dtype(case.config.precision)
+    if dtype is not None:
+        model = model.to(dtype)
+    batch = tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t, case.batch
+    )
+    runner = StepRunner(model, case.config)
+    runner.run(batch)
+    start = time.perf_counter()
+    for _ in range(2):
+        runner.run(batch)
+    return (time.perf_counter() - start) / 2
+
+
 def run_case(spec: str, batch_size: int, optimizer: str, precision: str, repeats: int) -> dict[str, Any]:
     case = build_case(spec, _input(spec, batch_size), optimizer=optimizer, precision=precision)
     estimates = [estimate_case(case) for _ in range(repeats)]
     floors = [meta_floor_seconds(case) for _ in range(repeats)]
+    calibrated = estimate_case(case, calibrate=True)
+    cached = estimate_case(case, calibrate=True)
     measured = measure_case(case)
     est = estimates[0]
-    errors = [
-        100.0 * (p.bytes - truth) / truth for p, truth in zip(est.peaks, measured.peak_bytes, strict=True)
-    ]
+
+    def error(e: Any) -> list[float]:
+        return [100.0 * (p.bytes - t) / t for p, t in zip(e.peaks, measured.peak_bytes, strict=True)]
+
+    errors = error(est)
     seconds = statistics.median(e.estimate_seconds for e in estimates)
     floor = statistics.median(floors)
     return {
@@ -90,6 +115,11 @@ def run_case(spec: str, batch_size: int, optimizer: str, precision: str, repeats
         "estimated": [p.bytes for p in est.peaks],
         "measured": list(measured.peak_bytes),
         "error_pct": errors,
+        "calibrated_error_pct": error(calibrated),
+        "calibration_s": calibrated.calibration.seconds if calibrated.calibration else None,
+        "cached_calibration_s": cached.calibration.seconds if cached.calibration else None,
+        "signatures": calibrated.calibration.measured if calibrated.calibration else None,
+        "step_s": real_step_seconds(case),
     }
 
 
@@ -158,6 +188,8 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
     args = parser.parse_args()
 
+    # Calibration starts cold, as on a new machine, and leaves the user's cache alone.
+    os.environ["MEMEST_CACHE_DIR"] = tempfile.mkdtemp(prefix="memest-benchmark-")
     torch.manual_seed(0)
     warm = build_case("tests.models:TinyGPT", _input("tests.models:TinyGPT", 2), optimizer="adam")
     estimate_case(warm)  # imports and first dispatches, paid once by any process
@@ -182,6 +214,21 @@ def main() -> None:
     ratios = [r["ratio"] for r in rows]
     worst = max(abs(e) for r in rows for e in r["error_pct"])
     print(f"\nmedian ratio to the meta floor: {statistics.median(ratios):.2f}x; worst |error|: {worst:.3f} %")
+    print("\nCalibrated on this machine (a fresh cache):\n")
+    print(
+        "| model | batch | precision | error step 1 | error steady | signatures | calibration s | "
+        "from the cache s | one real step s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        c1, c2 = r["calibrated_error_pct"]
+        print(
+            f"| {r['model']} | {r['batch']} | {r['precision']} | {c1:+.3f} % | {c2:+.3f} % "
+            f"| {r['signatures']} | {r['calibration_s']:.2f} | {r['cached_calibration_s']:.2f} "
+            f"| {r['step_s']:.2f} |"
+        )
+    worst_cal = max(abs(e) for r in rows for e in r["calibrated_error_pct"])
+    print(f"\nworst calibrated |error|: {worst_cal:.3f} %")
     print("\n| model | simulation s | with FLOPs s | FLOP overhead |")
     print("|---|---|---|---|")
     for spec, batch_size, optimizer, precision in (CASES[0], CASES[3], CASES[7]):

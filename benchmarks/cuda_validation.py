@@ -5,7 +5,7 @@ Run on a machine with a CUDA device (it exits with a message otherwise):
     python benchmarks/cuda_validation.py [--quick] [--json] [--rows rows.jsonl]
     python benchmarks/cuda_validation.py --from-rows rows.jsonl     # the tables again, anywhere
 
-For each case of the visible set (tests/test_accuracy.py), ``estimate_case(device="cuda")`` (fake CUDA
+For each case of the visible set (tests/test_estimate.py), ``estimate_case(device="cuda")`` (fake CUDA
 tensors; the caching allocator model gives allocated and reserved) against ``measure_case(device=
 "cuda")`` (``torch.cuda.max_memory_allocated``/``max_memory_reserved``, reset before each step). Also
 the CPU-only what-if of the same case (``MEMEST_CUDA_WHAT_IF=1``: simulated on fake CPU tensors and
@@ -35,7 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.test_accuracy import CASES, case_input  # noqa: E402
+from tests.test_estimate import CASES, case_input  # noqa: E402
 
 from lightning_memest.cases import build_case, estimate_case, measure_case  # noqa: E402
 

@@ -5,7 +5,9 @@ Where each concept lives: ``events.py`` (the event vocabulary, ``Phase``), ``fak
 batches to fake tensors and back), ``tracker.py`` (the dispatch mode: storage lifetimes, phases, module
 scopes -> events), ``data_dependent.py`` (the policy for reading values of fake tensors), ``step.py``
 (``StepConfig`` and the plain step runner), ``simulate.py`` (the entry point), ``distributed.py``
-(DDP/FSDP on a fake process group), ``cuda_autocast.py`` (CUDA's autocast op lists, for what-ifs).
+(DDP/FSDP on a fake process group), ``cuda_autocast.py`` (CUDA's autocast op lists, for what-ifs),
+``real_path.py`` (libraries' tracing checks answered as in a real eager run; the known values of small
+integer and boolean tensors; the CPU generator's state copies).
 """
 
 __all__: list[str] = []

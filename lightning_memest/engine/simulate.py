@@ -6,6 +6,7 @@ Knows nothing of accounting or reports: ``accounting.account`` turns the stream 
 from __future__ import annotations
 
 import os
+import random
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -27,6 +28,7 @@ from lightning_memest.engine.distributed import (
 )
 from lightning_memest.engine.events import Event, OpEvent, Role
 from lightning_memest.engine.fake import FakeConverter, fake_module, resident_tensors
+from lightning_memest.engine.real_path import real_path
 from lightning_memest.engine.step import (
     Precision,
     RunnerFactory,
@@ -109,8 +111,10 @@ def simulate(
     with a ``strategy``, DDP or FSDP, the step runs as one rank of it on a fake process group, see
     ``engine.distributed``). ``runner`` builds what runs each step: the plain :class:`StepRunner` by
     default, or another (the Lightning adapter's fit-loop runner), from the same config. ``model`` is
-    left exactly as it was (see ``engine.fake``), and so is the global RNG state. ``capture`` picks the
-    ops whose full call (argument shapes) is recorded.
+    left exactly as it was (see ``engine.fake``), and so are the global random generators (torch's,
+    NumPy's, Python's), whatever the step draws and however it ends. Libraries take the code path of
+    a real eager run, with the values it reads (``engine.real_path``). ``capture`` picks the ops whose
+    full call (argument shapes) is recorded.
 
     Example:
         >>> import torch
@@ -129,7 +133,7 @@ def simulate(
     precision, strategy = config.precision, config.strategy
     converter = FakeConverter(mode, target, true_dtype(precision))
     with ExitStack() as stack:
-        stack.enter_context(_preserved_rng(target))
+        stack.enter_context(_preserved_rng())
         if target.type == "cuda" or what_if == "cuda":
             stack.enter_context(_cuda_optimizer_defaults(what_if=what_if == "cuda"))
         if what_if == "cuda" and autocast_dtype(precision) is not None:
@@ -139,6 +143,9 @@ def simulate(
         stack.enter_context(torch._dynamo.config.patch(disable=True))
         stack.enter_context(fake_module(model, converter))
         fake_batch = converter.batch(batch)
+        # Libraries take the real eager run's code path: see engine.real_path.
+        known = [(converter.tensor(t), t) for t in iter_tensors(batch)]
+        stack.enter_context(real_path(mode, known, cpu_allocator=target.type == "cpu" and what_if is None))
         for t, role, path in _residents(model, fake_batch):
             tracker.add_resident(t, role, path)
         model.train()
@@ -217,10 +224,42 @@ def _cuda_optimizer_defaults(what_if: bool) -> Iterator[None]:
 
 
 @contextmanager
-def _preserved_rng(device: torch.device) -> Iterator[None]:
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices, enabled=True):
+def _preserved_rng() -> Iterator[None]:
+    """Every global random generator as it was, on every way out (exceptions and interrupts too).
+
+    The user's real step code runs in the simulation, and it, its data transforms and its libraries
+    draw from or reseed any of them (timm's Mixup draws from NumPy's; activation checkpointing sets
+    torch's). Training after an estimate must get the numbers it would have got without one: torch's
+    CPU generator and, once CUDA is initialized, every CUDA device's (a CUDA generator not yet
+    initialized has drawn nothing, and fake tensors draw nothing); NumPy's global generator (if NumPy
+    is importable; not ``numpy.random.Generator`` objects, which are the user's own); Python's
+    ``random``. ``torch.default_generator`` directly: the simulation replaces
+    ``torch.get_rng_state`` (``engine.real_path``).
+    """
+    cpu = torch.default_generator.get_state()
+    cuda_initialized: Callable[[], bool] = torch.cuda.is_initialized
+    cuda = torch.cuda.get_rng_state_all() if cuda_initialized() else None
+    python = random.getstate()
+    numpy_random = _numpy_random()
+    numpy_state = numpy_random.get_state() if numpy_random is not None else None
+    try:
         yield
+    finally:
+        torch.default_generator.set_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        random.setstate(python)
+        if numpy_random is not None:
+            numpy_random.set_state(numpy_state)
+
+
+def _numpy_random() -> Any:
+    """``numpy.random`` (its global generator's functions), or ``None`` without NumPy."""
+    try:
+        import numpy.random
+    except ImportError:
+        return None
+    return numpy.random
 
 
 def _residents(model: nn.Module, batch: Any) -> list[tuple[Tensor, Role, str]]:

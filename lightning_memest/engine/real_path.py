@@ -1,0 +1,437 @@
+"""The code path of a real eager run, taken on fake tensors: what libraries check is answered as the
+real run would answer it.
+
+Libraries take another code path when they think they are traced or compiled (they avoid reading
+values, and build what a traced graph needs). They find out by looking at global flags or at the
+tensors they get. Each check, what it looks at, and what the simulation answers (transformers 5.x,
+torch 2.x):
+
+* ``torch.compiler.is_compiling()`` (and ``torch._dynamo.is_compiling``, ``torch._utils.is_compiling``,
+  transformers' ``is_torchdynamo_compiling``): the flag ``torch.compiler._is_compiling_flag``, set
+  only while dynamo traces (a ``torch.compile`` or ``torch.export`` session). The simulation runs
+  eagerly (``simulate`` disables dynamo), so it reads ``False``, as a real eager run does.
+* ``torch.compiler.is_exporting()`` (transformers' ``is_torchdynamo_exporting``): the flag
+  ``torch.compiler._is_exporting_flag``, set only by ``torch.export``: ``False`` in both.
+* ``torch.jit.is_tracing()`` (transformers' ``is_jit_tracing``): the JIT tracer's thread-local state
+  (``torch._C._is_tracing()``): ``False`` in both.
+* ``torch.fx._symbolic_trace.is_fx_tracing()``: a thread-local flag set only inside
+  ``Tracer.trace`` (``lightning_memest.fx`` traces *before* it simulates): ``False`` in both.
+* transformers' ``is_cuda_stream_capturing`` / ``is_xpu_stream_capturing``: the real device's current
+  stream (``torch.cuda.is_current_stream_capturing()``), untouched by fake tensors: ``False`` in both.
+* transformers' ``is_torch_fx_proxy(x)`` (``isinstance(x, torch.fx.Proxy)``) and ``is_jax_jitting(x)``
+  (``hasattr(x, "jax")``): ``False`` for a fake tensor as for a real one.
+* transformers' ``is_fake_tensor(x)`` (``isinstance(x, FakeTensor)``): **the one that differs**. It is
+  ``True`` for the simulation's tensors, so ``is_tracing(tensor)`` says "tracing", and the masking
+  utilities (``find_packed_sequence_indices``, ``_ignore_causal_mask_sdpa``,
+  ``_ignore_bidirectional_mask_sdpa``) stop reading the positions and the padding mask: every forward
+  then builds a (batch, 1, query, key) attention mask that the real run skips (it passes
+  ``is_causal=True`` to SDPA instead). Inside :func:`real_path`, ``transformers.utils.import_utils.
+  is_fake_tensor`` answers ``False`` for the simulation's own fake tensors (``is_tracing`` looks it up
+  at each call, so every module that imported ``is_tracing`` sees it), and is put back on exit. It is
+  patched only if transformers was already imported: the estimator never imports it.
+
+The flags are left alone: patching them would make the simulation see what no eager run sees (a step
+that is really compiled is estimated as eager; see ``simulate``).
+
+Not tracing, transformers reads values: whether the position ids restart (packed sequences), whether
+the padding mask masks anything. The real run answers from the values, so the simulation must know
+them too. Fake tensors have none, so :func:`real_path` also keeps **known values** for the tensors whose
+values decide code paths -- integer and boolean tensors (positions, lengths, indices, masks) of at
+most :data:`VALUE_LIMIT` elements -- computed on small real CPU tensors beside the fake run:
+
+* the batch's integer and boolean tensors (copies; the batch is never touched);
+* deterministic factories (``arange``, ``full``, ``zeros``, ``ones``, their ``_like`` and ``new_``
+  forms; not ``empty`` or random ones) and ``torch.tensor(...)``;
+* any op whose tensor arguments all have known values: the same op on the values (views stay views
+  of the values, in-place ops update them; an in-place write from an unknown value forgets them).
+
+A scalar read (``.item()``, ``bool(t)``, ``torch.equal``) of a known value returns it, and an op whose
+output size depends on known values (``nonzero``, boolean indexing) gets its real size; neither is a
+data-dependent assumption any more. Reads of anything else still go to the engine's policy
+(``engine.data_dependent``). Floating-point tensors never carry values: activations and weights stay
+fake, and no memory of the user's size is allocated.
+
+One thing a real step allocates is no op at all: ``torch.get_rng_state()`` copies the CPU generator's
+state into a new 5,056-byte tensor (activation checkpointing keeps one per checkpointed segment until its
+recomputation). For a step simulated for the CPU, it returns a fake tensor of that size inside the
+simulation, allocated and freed where the real copy is, and ``torch.set_rng_state`` takes it back.
+
+Example:
+    >>> import torch
+    >>> from torch._subclasses.fake_tensor import FakeTensorMode
+    >>> mode = FakeTensorMode()
+    >>> with real_path(mode), mode:
+    ...     positions = torch.arange(6).unsqueeze(0)
+    ...     packed = bool((torch.diff(positions) != 1).any())  # a real run reads this value too
+    >>> packed, known_value(positions)
+    (False, tensor([[0, 1, 2, 3, 4, 5]]))
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+)
+from torch.utils._mode_utils import no_dispatch
+
+__all__ = ["VALUE_LIMIT", "known_value", "real_path"]
+
+#: The most elements a tensor with a known value may have: masks and positions of a batch, not
+#: activations. Larger integer tensors stay fake (their reads go to the policy).
+VALUE_LIMIT = 1 << 20
+
+_VALUE = "_memest_value"
+"""The attribute of a fake tensor that holds its known value (a real CPU tensor)."""
+
+aten = torch.ops.aten
+
+#: Scalar reads: answered from known values without running the fake op (which cannot answer them).
+_READS = frozenset(
+    {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.equal.default}
+)
+
+#: Factories whose values depend only on their tensor argument's shape and dtype, never its values.
+_SHAPE_ONLY = frozenset(
+    {
+        aten.zeros_like.default,
+        aten.ones_like.default,
+        aten.full_like.default,
+        aten.new_zeros.default,
+        aten.new_ones.default,
+        aten.new_full.default,
+    }
+)
+
+#: ``torch.tensor(data)``: the fake mode gets the data as a real tensor.
+_LIFTS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default})
+
+_NO_VALUE = object()
+
+
+def known_value(t: Tensor) -> Tensor | None:
+    """The real value the simulation knows for the fake tensor ``t`` (a CPU tensor), or ``None``."""
+    value = t.__dict__.get(_VALUE) if isinstance(t, FakeTensor) else None
+    if value is None or _forgotten(value):
+        return None
+    return value  # type: ignore[no-any-return]
+
+
+@contextmanager
+def real_path(
+    mode: FakeTensorMode, batch: Iterable[tuple[Tensor, Tensor]] = (), *, cpu_allocator: bool = False
+) -> Iterator[None]:
+    """Inside: the simulation's libraries take a real eager run's code path (see the module docstring).
+
+    ``mode`` is the simulation's fake mode; ``batch`` pairs ``(fake, real)`` of the batch's tensors,
+    whose integer and boolean values are known to the simulation. With ``cpu_allocator`` (a step
+    simulated for the CPU) the copies of the CPU generator's state that a real step makes are fake
+    tensors, allocated and freed where the real ones are. On exit transformers' check, torch's RNG
+    functions and ``mode`` are exactly as they were.
+    """
+    values = _KnownValues(mode)
+    for fake, real in batch:
+        values.add_batch_tensor(fake, real)
+    with ExitStack() as stack:
+        stack.enter_context(_transformers_sees_real_tensors(mode))
+        if cpu_allocator:
+            stack.enter_context(_rng_state_copies(mode))
+        mode.dispatch = values.dispatch  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del mode.dispatch
+
+
+@contextmanager
+def _rng_state_copies(mode: FakeTensorMode) -> Iterator[None]:
+    """``torch.get_rng_state()`` copies the CPU generator's state into a new 5,056-byte tensor of
+    the CPU allocator -- activation checkpointing keeps one per checkpointed segment from forward to
+    its recomputation. Not an op, so the fake run would not see it: inside ``mode`` it returns a fake
+    tensor of the same size (tracked like any allocation) that knows the state, and
+    ``torch.set_rng_state`` takes it back."""
+    get_state, set_state = torch.random.get_rng_state, torch.random.set_rng_state
+
+    def get_rng_state() -> Tensor:
+        state = get_state()
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not mode:
+            return state
+        fake = torch.empty(state.shape, dtype=state.dtype, device="cpu")
+        setattr(fake, _VALUE, state)
+        return fake
+
+    def set_rng_state(new_state: Tensor) -> None:
+        if isinstance(new_state, FakeTensor):
+            value = known_value(new_state)
+            if value is not None:  # (an unknown fake state has nothing to set)
+                set_state(value)
+        else:
+            set_state(new_state)
+
+    replacements: dict[str, Callable[..., Any]] = {
+        "get_rng_state": get_rng_state,
+        "set_rng_state": set_rng_state,
+    }
+    # ``torch.get_rng_state`` is ``torch.random.get_rng_state`` imported by name: both are replaced.
+    originals = [(m, name, getattr(m, name)) for m in (torch, torch.random) for name in replacements]
+    for m, name, _ in originals:
+        setattr(m, name, replacements[name])
+    try:
+        yield
+    finally:
+        for m, name, fn in originals:
+            setattr(m, name, fn)
+
+
+@contextmanager
+def _transformers_sees_real_tensors(mode: FakeTensorMode) -> Iterator[None]:
+    """``transformers.utils.import_utils.is_fake_tensor`` says ``False`` for ``mode``'s tensors."""
+    module = sys.modules.get("transformers.utils.import_utils")
+    original: Callable[[object], bool] | None = getattr(module, "is_fake_tensor", None)
+    if module is None or original is None:
+        yield
+        return
+    checked = original
+
+    def is_fake_tensor(x: object) -> bool:
+        if isinstance(x, FakeTensor) and x.fake_mode is mode:
+            return False  # a real run has a real tensor here
+        return checked(x)
+
+    setattr(module, "is_fake_tensor", is_fake_tensor)  # noqa: B010 (a module attribute mypy cannot see)
+    try:
+        yield
+    finally:
+        setattr(module, "is_fake_tensor", original)  # noqa: B010
+
+
+class _KnownValues:
+    """The fake mode's ``dispatch``, wrapped: the fake op runs as before, and values are kept beside it.
+
+    An instance attribute in place of the mode's method, rather than a dispatch mode stacked above
+    the fake one: no second Python dispatch layer per op, and ops without known values cost one
+    scan of their arguments.
+    """
+
+    def __init__(self, mode: FakeTensorMode) -> None:
+        self.mode = mode
+        self.fake_dispatch = mode.dispatch
+        self._copies: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
+
+    def add_batch_tensor(self, fake: Tensor, real: Tensor) -> None:
+        """Know ``fake``'s value: a CPU copy of ``real`` (views of one storage share one copy)."""
+        if not (isinstance(fake, FakeTensor) and type(real) is Tensor and _valued_kind(real)):
+            return
+        if real.is_meta or real.layout != torch.strided or fake.shape != real.shape:
+            return
+        storage = real.untyped_storage()
+        if storage.nbytes() > VALUE_LIMIT * real.element_size():
+            return
+        key = (storage.device, storage.data_ptr())
+        copy = self._copies.get(key)
+        if copy is None:
+            raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+            copy = raw.to("cpu", copy=True).untyped_storage()
+            self._copies[key] = copy
+        value = torch.empty(0, dtype=real.dtype).set_(copy, real.storage_offset(), real.shape, real.stride())
+        setattr(fake, _VALUE, value)
+
+    def dispatch(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: Sequence[object] = (),
+        kwargs: Mapping[str, object] | None = None,
+    ) -> Any:
+        kwargs = dict(kwargs) if kwargs else {}
+        valued, unvalued = _count(args, kwargs)
+        if not _computable(func):
+            out = self.fake_dispatch(func, types, args, kwargs)
+            if valued:
+                _forget_written(func, args, kwargs)
+            return out
+        all_known = valued > 0 and unvalued == 0
+        if func in _READS and all_known:
+            answer = _run_real(func, args, kwargs)
+            if answer is not _NO_VALUE:
+                return answer
+        try:
+            out = self.fake_dispatch(func, types, args, kwargs)
+        except (DynamicOutputShapeException, DataDependentOutputException):
+            if not all_known:
+                raise
+            real = _run_real(func, args, kwargs)
+            if real is _NO_VALUE or not _all_small(real):
+                raise
+            return self._fake_of(real, _first_fake(args, kwargs))  # the real size
+        from_values = all_known or (valued == 0 and _from_constants(func, unvalued))
+        if from_values and _all_small(out) and _attach(out, _run_real(func, args, kwargs)):
+            return out
+        if valued:
+            _forget_written(func, args, kwargs)
+        return out
+
+    def _fake_of(self, real: Any, like: FakeTensor) -> Any:
+        """A fake tensor of ``like``'s device for each real output, knowing its value."""
+        if isinstance(real, (tuple, list)):
+            return type(real)(self._fake_of(r, like) for r in real)
+        if not isinstance(real, Tensor):
+            return real
+        meta = torch.empty_strided(real.shape, real.stride(), dtype=real.dtype, device="meta")
+        fake = self.mode.fake_tensor_converter.from_meta_and_device(self.mode, meta, like.device)
+        setattr(fake, _VALUE, real)
+        return fake
+
+
+def _valued_kind(t: Tensor) -> bool:
+    """Integer and boolean tensors carry values; floating-point ones never do."""
+    return not (t.is_floating_point() or t.is_complex() or t.is_quantized) and t.numel() <= VALUE_LIMIT
+
+
+def _forgotten(value: Tensor) -> bool:
+    """Values forgotten after an unknown in-place write have a zero-byte storage (see below)."""
+    return value.numel() > 0 and value.untyped_storage().nbytes() == 0
+
+
+def _args(args: Sequence[object], kwargs: Mapping[str, object]) -> Iterator[object]:
+    """The arguments, with one level of lists opened (``Tensor[]`` and ``Tensor?[]``)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+
+
+def _count(args: Sequence[object], kwargs: Mapping[str, object]) -> tuple[int, int]:
+    """How many tensor arguments have a known value, and how many do not."""
+    valued = unvalued = 0
+    for a in _args(args, kwargs):
+        if isinstance(a, Tensor):
+            if known_value(a) is None:
+                unvalued += 1
+            else:
+                valued += 1
+    return valued, unvalued
+
+
+def _first_fake(args: Sequence[object], kwargs: Mapping[str, object]) -> FakeTensor:
+    return next(a for a in _args(args, kwargs) if isinstance(a, FakeTensor))
+
+
+def _computable(func: object) -> bool:
+    """Whether values may be computed by running ``func`` for real: aten's deterministic ops only
+    (not collectives, other libraries' kernels or higher-order operators; not random ones)."""
+    return (
+        isinstance(func, torch._ops.OpOverload)
+        and func.namespace == "aten"
+        and torch.Tag.nondeterministic_seeded not in func.tags
+    )
+
+
+def _from_constants(func: torch._ops.OpOverload, tensors: int) -> bool:
+    """An op whose values follow from its non-tensor arguments: a deterministic factory,
+    ``torch.tensor(data)``, or a ``_like`` / ``new_`` factory (its tensor gives only a shape)."""
+    if func in _SHAPE_ONLY or func in _LIFTS:
+        return True
+    if tensors:
+        return False
+    name = func.overloadpacket.__name__
+    return not name.startswith(("empty", "new_empty", "_empty"))
+
+
+def _all_small(out: Any) -> bool:
+    """Every output is an integer or boolean tensor of at most :data:`VALUE_LIMIT` elements."""
+    if isinstance(out, Tensor):
+        return _valued_kind(out)
+    if isinstance(out, (tuple, list)):
+        return len(out) > 0 and all(_all_small(o) for o in out)
+    return False
+
+
+def _attach(out: Any, real: Any) -> bool:
+    """Give each fake output its real value; ``False`` if they do not match."""
+    if isinstance(out, Tensor) and isinstance(real, Tensor):
+        if isinstance(out, FakeTensor) and real.shape == out.shape and real.dtype == out.dtype:
+            setattr(out, _VALUE, real)
+            return True
+        return False
+    if isinstance(out, (tuple, list)) and isinstance(real, (tuple, list)) and len(out) == len(real):
+        return all([_attach(o, r) for o, r in zip(out, real, strict=True)])
+    return False
+
+
+def _forget_written(func: object, args: Sequence[object], kwargs: Mapping[str, object]) -> None:
+    """An op wrote into tensors with known values from something unknown: forget those values, and
+    those of every view of them (they share the value's storage, which is emptied)."""
+    for i, name in _written_arguments(func):
+        written = args[i] if i < len(args) else kwargs.get(name)
+        for t in written if isinstance(written, (list, tuple)) else (written,):
+            value = known_value(t) if isinstance(t, Tensor) else None
+            if value is not None:
+                value.untyped_storage().resize_(0)
+
+
+def _written_arguments(func: object) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments ``func`` writes into (``Tensor(a!)`` in its schema); a
+    keyword-only one has no position (``sys.maxsize``)."""
+    found = _WRITTEN.get(func)
+    if found is None:
+        schema = getattr(func, "_schema", None)
+        found = tuple(
+            (sys.maxsize if arg.kwarg_only else i, arg.name)
+            for i, arg in enumerate(schema.arguments if schema is not None else ())
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+        _WRITTEN[func] = found
+    return found
+
+
+_WRITTEN: dict[object, tuple[tuple[int, str], ...]] = {}
+
+
+def _run_real(func: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> Any:
+    """``func`` on the known values (on the CPU), or ``_NO_VALUE`` if it cannot run there."""
+    try:
+        real_args = [_real(a, func) for a in args]
+        real_kwargs = {k: _real(v, func) for k, v in kwargs.items()}
+        if "pin_memory" in real_kwargs:
+            real_kwargs["pin_memory"] = False
+        if func in _SHAPE_ONLY:
+            real_kwargs["device"] = torch.device("cpu")
+        with no_dispatch():
+            return func(*real_args, **real_kwargs)
+    except Exception:
+        return _NO_VALUE
+
+
+class _Unknown(Exception):
+    """An argument has no value the CPU can compute with."""
+
+
+def _real(a: object, func: torch._ops.OpOverload) -> object:
+    if isinstance(a, (list, tuple)):
+        return type(a)(_real(x, func) for x in a)
+    if isinstance(a, torch.device):
+        return torch.device("cpu")
+    if not isinstance(a, Tensor):
+        return a
+    if func in _SHAPE_ONLY:  # only the shape and dtype are read: a meta tensor allocates nothing
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+    if isinstance(a, FakeTensor):
+        value = known_value(a)
+        if value is None:
+            raise _Unknown
+        return value
+    if func in _LIFTS and not a.is_meta:
+        with no_dispatch():
+            return a.detach().cpu().clone()
+    raise _Unknown  # a real tensor of the user's: never computed on (an in-place op would change it)
