@@ -477,6 +477,7 @@ class StepEstimate:
                 "optimizer": self.flops.optimizer or 0,
             },
             "estimate_seconds": round(self.estimate_seconds, 4),
+            "approximate": self.approximate,
             "data_dependent": self.data_dependent_json(),
             "calibration": None
             if self.calibration is None

@@ -162,7 +162,10 @@ def test_estimate_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
         "estimate_seconds",
         "gpu_memory",
         "data_dependent",
+        "calibration",
+        "approximate",
     }
+    assert data["calibration"] is None and data["approximate"] is False  # not asked; CPU is not a what-if
     assert set(data["peak_bytes"]) == {"first_step", "steady_state"}
     assert all(type(v) is int and v > 0 for v in data["peak_bytes"].values())
     assert data["reserved_bytes"] is None  # CPU: no caching allocator

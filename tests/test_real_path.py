@@ -196,6 +196,21 @@ def test_known_values_follow_the_code_and_are_forgotten_when_overwritten() -> No
     assert lengths.tolist() == [3, 1, 2]  # the batch itself is never written
 
 
+def test_empty_factories_have_no_known_values() -> None:
+    # A real empty_like/new_empty holds whatever the memory held: no values to know, also when its
+    # tensor argument has known values.
+    mode = FakeTensorMode()
+    lengths = torch.tensor([3, 1, 2])
+    with mode:
+        fake_lengths = mode.from_tensor(lengths)
+    with real_path(mode, [(fake_lengths, lengths)]), mode:
+        like = torch.empty_like(fake_lengths)
+        new = fake_lengths.new_empty(5)
+        zeros = torch.zeros_like(fake_lengths)
+    assert known_value(like) is None and known_value(new) is None
+    assert known_value(zeros).tolist() == [0, 0, 0]  # type: ignore[union-attr]
+
+
 def test_transformers_is_not_imported_when_the_user_has_not(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [n for n in sys.modules if n == "transformers" or n.startswith("transformers.")]:
         monkeypatch.delitem(sys.modules, name)

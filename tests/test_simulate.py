@@ -203,21 +203,6 @@ def test_data_dependent_shapes_assume_every_element_selected() -> None:
     assert ops["aten.masked_select.default"].count == 2  # once per simulated step
 
 
-def test_unsimulatable_op_raises_estimation_error_naming_op_and_module() -> None:
-    class Uniq(nn.Module):
-        def forward(self, x: Tensor) -> Tensor:
-            return torch.unique(x).sum() * x.sum()  # type: ignore[no-any-return]
-
-    model = nn.Sequential(nn.Linear(4, 4), Uniq())
-    with pytest.raises(EstimationError) as info:
-        estimate_step(model, torch.randn(3, 4))
-    assert info.value.module == "1"
-    assert info.value.op is not None and "unique" in info.value.op
-    assert "unique" in str(info.value) and "'1'" in str(info.value)
-    # the model is restored even after a failure
-    assert type(model[0].weight) is nn.Parameter and not hasattr(model[0].weight, "fake_mode")
-
-
 def test_errors_in_user_code_are_estimation_errors() -> None:
     def bad_loss(m: nn.Module, batch: Tensor) -> Tensor:
         raise KeyError("labels")

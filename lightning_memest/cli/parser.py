@@ -212,13 +212,13 @@ def _strategy(args: argparse.Namespace) -> Strategy | None:
         if getattr(args, "world_size", None) is not None:
             raise SpecError("--world-size goes with --strategy ddp|fsdp")
         return None
-    if args.strategy is None:
-        if args.world_size is not None:
-            raise SpecError("--world-size goes with --strategy ddp|fsdp")
-        return None
     if args.world_size is None:
         raise SpecError(f"--strategy {args.strategy} needs --world-size N")
+    if args.world_size < 1:
+        raise SpecError(f"--world-size must be at least 1; got {args.world_size}")
     if args.strategy == "ddp":
+        if not args.bucket_cap_mb > 0:
+            raise SpecError(f"--bucket-cap-mb must be more than 0; got {args.bucket_cap_mb}")
         return DDP(
             args.world_size,
             bucket_cap_mb=args.bucket_cap_mb,

@@ -2,12 +2,14 @@
 Lightning, accounting, reports or printing.
 
 Where each concept lives: ``events.py`` (the event vocabulary, ``Phase``), ``fake.py`` (modules and
-batches to fake tensors and back), ``tracker.py`` (the dispatch mode: storage lifetimes, phases, module
-scopes -> events), ``data_dependent.py`` (the policy for reading values of fake tensors), ``step.py``
-(``StepConfig`` and the plain step runner), ``simulate.py`` (the entry point), ``distributed.py``
-(DDP/FSDP on a fake process group), ``cuda_autocast.py`` (CUDA's autocast op lists, for what-ifs),
-``real_path.py`` (libraries' tracing checks answered as in a real eager run; the known values of small
-integer and boolean tensors; the CPU generator's state copies).
+batches to fake tensors and back), ``tracker.py`` (the dispatch mode: storage lifetimes, phases ->
+events), ``hooks.py`` (module scopes, saved tensors, storage resizes, told to the tracker),
+``data_dependent.py`` (a policy for every data-dependent op), ``value_sets.py`` (the values an integer
+tensor can hold), ``pointer_kernels.py`` (kernels that write through data pointers, in Python),
+``step.py`` (``StepConfig`` and the plain step runner), ``simulate.py`` (the entry point),
+``distributed.py`` (DDP/FSDP on a fake process group), ``cuda_autocast.py`` (CUDA's autocast op lists,
+for what-ifs), ``real_path.py`` (libraries' tracing checks answered as in a real eager run; the known
+values of small integer and boolean tensors; the CPU generator's state copies).
 """
 
 __all__: list[str] = []

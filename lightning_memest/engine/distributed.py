@@ -77,6 +77,8 @@ class DDP:
 
     def __post_init__(self) -> None:
         _check_ranks(self.world_size, self.rank)
+        if not self.bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be more than 0; got {self.bucket_cap_mb}")
 
 
 @dataclass(frozen=True)

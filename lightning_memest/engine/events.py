@@ -114,6 +114,9 @@ class OpCall:
     kwargs: dict[str, Any]
     outputs: tuple[TensorMeta | None, ...]  # flattened outputs, None for non-tensors
     device_type: str  # "cpu" / "cuda"
+    grad_enabled: bool = True
+    """Whether grad mode was on (forward: usually; backward and optimizer: off). Some kernels allocate
+    by it: oneDNN's LSTM makes its workspace only with grad mode on."""
 
     def arg(self, name: str, default: Any = None) -> Any:
         """The argument called ``name`` in the op's schema: positional, keyword, or its default."""

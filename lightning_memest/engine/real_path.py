@@ -329,12 +329,18 @@ def _first_fake(args: Sequence[object], kwargs: Mapping[str, object]) -> FakeTen
 
 def _computable(func: object) -> bool:
     """Whether values may be computed by running ``func`` for real: aten's deterministic ops only
-    (not collectives, other libraries' kernels or higher-order operators; not random ones)."""
+    (not collectives, other libraries' kernels or higher-order operators; not random ones; not the
+    ``empty`` factories, whose real values are whatever the memory held, also with a tensor argument:
+    ``empty_like(a)``, ``a.new_empty(n)``)."""
     return (
         isinstance(func, torch._ops.OpOverload)
         and func.namespace == "aten"
         and torch.Tag.nondeterministic_seeded not in func.tags
+        and not func.overloadpacket.__name__.startswith(_EMPTY)
     )
+
+
+_EMPTY = ("empty", "new_empty", "_empty")
 
 
 def _from_constants(func: torch._ops.OpOverload, tensors: int) -> bool:
@@ -342,10 +348,7 @@ def _from_constants(func: torch._ops.OpOverload, tensors: int) -> bool:
     ``torch.tensor(data)``, or a ``_like`` / ``new_`` factory (its tensor gives only a shape)."""
     if func in _SHAPE_ONLY or func in _LIFTS:
         return True
-    if tensors:
-        return False
-    name = func.overloadpacket.__name__
-    return not name.startswith(("empty", "new_empty", "_empty"))
+    return not tensors
 
 
 def _all_small(out: Any) -> bool:

@@ -28,6 +28,7 @@ from lightning_memest.engine.distributed import (
 )
 from lightning_memest.engine.events import Event, OpEvent, Role
 from lightning_memest.engine.fake import FakeConverter, fake_module, resident_tensors
+from lightning_memest.engine.hooks import module_scopes, saved_tensor_tags, storage_resizes
 from lightning_memest.engine.real_path import real_path
 from lightning_memest.engine.step import (
     Precision,
@@ -37,14 +38,7 @@ from lightning_memest.engine.step import (
     plain_runner,
     true_dtype,
 )
-from lightning_memest.engine.tracker import (
-    CaptureFilter,
-    Tracker,
-    TrackingFakeTensorMode,
-    module_scopes,
-    saved_tensor_tags,
-    storage_resizes,
-)
+from lightning_memest.engine.tracker import CaptureFilter, Tracker, TrackingFakeTensorMode
 from lightning_memest.errors import EstimationError
 
 __all__ = ["ModuleNode", "Simulation", "simulate"]

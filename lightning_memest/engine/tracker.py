@@ -5,17 +5,22 @@ storages of the op's outputs it has not seen (an allocation) and a weak referenc
 callback marks the free the moment the last tensor on that storage dies -- the same moment the real
 allocator would free it. Module scopes (forward and backward), the step's phases, what autograd saves for
 backward, which storages become gradients and optimizer state are recorded in the same stream.
+
+An op whose fake kernel needs values it does not have gets the answer of ``engine.data_dependent``'s
+policy, recorded as a ``DataDependent`` event; the policy reads the values the simulation knows
+(``engine.real_path``: the batch's lengths and masks) through :func:`real_value`.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
     DynamicOutputShapeException,
@@ -41,23 +46,28 @@ from lightning_memest.engine.events import (
     TensorMeta,
 )
 from lightning_memest.engine.fake import local_tensor
+from lightning_memest.engine.pointer_kernels import pointer_kernels
+from lightning_memest.engine.real_path import known_value
+from lightning_memest.engine.value_sets import carry_value_sets
 from lightning_memest.errors import EstimationError
 
 __all__ = [
     "CaptureFilter",
     "Tracker",
     "TrackingFakeTensorMode",
-    "module_scopes",
-    "saved_tensor_tags",
-    "storage_resizes",
+    "real_value",
 ]
 
 #: Decides for which ops the full call (argument shapes) is recorded, for kernel models and FLOPs.
 CaptureFilter = Callable[[torch._ops.OpOverload], bool]
 
+#: Answers an op whose fake kernel needs values (``data_dependent.answer`` with the values known).
+Answerer = Callable[[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any]], data_dependent.Answer | None]
+
 _SKIP_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
 
 _aten = torch.ops.aten
+_ADD = _aten.add.Tensor
 #: In-place elementwise updates of torch.optim's for-loop implementations: the result is ``self``.
 _IN_PLACE_UPDATES = frozenset(
     {
@@ -213,12 +223,13 @@ class Tracker:
         func: torch._ops.OpOverload,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        answer: Answerer = data_dependent.answer,
     ) -> Any:
-        """Run one op on fake tensors (``run``), apply the data-dependent policy, record it."""
+        """Run one op on fake tensors (``run``), apply the data-dependent policy (``answer``), record it."""
         try:
             out = run()
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:
-            ans = data_dependent.answer(func, args, kwargs)
+            ans = answer(func, args, kwargs)
             if ans is None:
                 raise EstimationError(
                     f"{func} needs the values of a tensor, which a fake run does not have ({exc})",
@@ -240,6 +251,38 @@ class Tracker:
         self._record(func, args, kwargs, out)
         return out
 
+    def _accumulate_in_place(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Tensor) -> None:
+        """Autograd's engine sums two gradients of one input (``InputBuffer::accumulate``, a tensor used
+        twice: an LSTM's hidden state, a residual connection) in place, into the one it holds the last
+        reference to -- unless the tensor is a subclass, such as a fake tensor: then out of place, one
+        more allocation, which the real run never makes. This sum is the real one: the output takes over
+        the storage (and the handle) of the gradient the real run adds into, and allocates nothing."""
+        if kwargs or len(args) != 2 or args[0] is args[1] or torch.is_grad_enabled():
+            return
+        new = out.untyped_storage()
+        if new._cdata in self._handles:
+            return
+        for grad in args:
+            if not (
+                isinstance(grad, Tensor)
+                and grad.shape == out.shape
+                and grad.dtype == out.dtype
+                and is_non_overlapping_and_dense_or_false(grad)
+            ):
+                continue
+            storage = grad.untyped_storage()
+            key = storage._cdata
+            handle = self._handles.get(key)
+            # No other tensor on its storage (the count includes the ``storage`` object here).
+            if handle is None or torch._C._storage_Use_Count(key) != 2 or storage.nbytes() != new.nbytes():
+                continue
+            del self._handles[key], self._sizes[key], self._refs[key]  # its death frees nothing now
+            key = new._cdata
+            self._handles[key] = handle
+            self._sizes[key] = new.nbytes()
+            self._refs[key] = weakref.ref(new, self._free_callback(key, handle))
+            return
+
     def _record(
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ) -> None:
@@ -256,12 +299,15 @@ class Tracker:
                 {k: _meta(v) for k, v in kwargs.items()},
                 tuple(TensorMeta.of(t) if isinstance(t, Tensor) else None for t in tree_leaves(out)),
                 _device_type(args, leaves),
+                torch.is_grad_enabled(),
             )
             if capture
             else None
         )
         # The op's event comes before its outputs' allocations, which it may need to name.
         allocs: list[Event] = []
+        if func is _ADD and self.phase is Phase.BACKWARD and isinstance(out, Tensor):
+            self._accumulate_in_place(args, kwargs, out)
         # Meta outputs hold no memory (DTensor propagates shardings on meta tensors of global shape).
         handles = tuple(
             -1 if t.is_meta else self._register(t.untyped_storage(), False, allocs) for t in leaves
@@ -293,6 +339,34 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         super().__init__(allow_non_fake_inputs=True)
         self.tracker = tracker
         self._depth = 0
+        self._entered: list[ExitStack] = []
+
+    def __enter__(self) -> TrackingFakeTensorMode:
+        # Kernels that write through data pointers are replaced while the mode is on (once: policies enter
+        # it again to make their tensors).
+        stack = ExitStack()
+        if not self._entered:
+            stack.enter_context(pointer_kernels(real_value))
+        self._entered.append(stack)
+        try:
+            return super().__enter__()
+        except BaseException:
+            self._entered.pop().close()
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._entered.pop().close()
+
+    def _answer(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> data_dependent.Answer | None:
+        """The data-dependent policy's answer, its tensors made in this mode (fake) and not reported: the
+        op's outputs are, as the op's."""
+        with self.untracked(), self:
+            return data_dependent.answer(func, args, kwargs, real_value)
 
     @contextmanager
     def untracked(self) -> Iterator[None]:
@@ -311,7 +385,13 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         kwargs: Mapping[str, object] | None = None,
     ) -> Any:
         kwargs = dict(kwargs or {})
-        if self._depth or func in _SKIP_OPS or func.namespace == "profiler":
+        if self._depth:
+            # An op run inside another (a fake kernel's own ops, a policy's): not part of the step. Not
+            # reported, and the fake mode's own ``dispatch`` runs it, not a wrapper of it: no values are
+            # computed for it (``engine.real_path`` -- a meta kernel's ``self.new_empty(...)`` would get
+            # the garbage of a real ``new_empty`` as the values of the op's output).
+            return FakeTensorMode.dispatch(self, func, types, args, kwargs)
+        if func in _SKIP_OPS or func.namespace == "profiler":
             return super().__torch_dispatch__(func, types, args, kwargs)
 
         if func in _IN_PLACE_UPDATES and self.tracker.phase is Phase.OPTIMIZER and self._own(args, kwargs):
@@ -331,7 +411,9 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             finally:
                 self._depth -= 1
 
-        return self.tracker.run_op(run, func, tuple(args), kwargs)
+        out = self.tracker.run_op(run, func, tuple(args), kwargs, self._answer)
+        carry_value_sets(func, args, out, real_value)
+        return out
 
     def _own(self, args: Sequence[object], kwargs: Mapping[str, object]) -> bool:
         """Whether every tensor argument is a fake tensor of this mode (the first one a tensor without a
@@ -346,25 +428,12 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         return True
 
 
-@contextmanager
-def storage_resizes(tracker: Tracker) -> Iterator[None]:
-    """Report every ``UntypedStorage.resize_`` to the tracker while inside."""
-    original = torch.UntypedStorage.resize_
-    own = "resize_" in vars(torch.UntypedStorage)  # else inherited from torch._C.StorageBase
-
-    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
-        result = original(storage, size)
-        tracker.on_storage_resize(storage)
-        return result
-
-    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
-    try:
-        yield
-    finally:
-        if own:
-            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
-        else:
-            del torch.UntypedStorage.resize_
+def real_value(t: Tensor) -> Tensor | None:
+    """The real values the simulation knows for ``t`` (a ``value_sets.ValueLookup``): a fake tensor's
+    constant or known value (``engine.real_path``), a real tensor's own; ``None`` when unknown."""
+    if isinstance(t, FakeTensor):
+        return t.constant if t.constant is not None else known_value(t)
+    return None if t.is_meta else t
 
 
 def _meta(value: Any) -> Any:
@@ -389,64 +458,3 @@ def _device_type(args: tuple[Any, ...], outputs: list[Tensor]) -> str:
         if isinstance(a, Tensor):
             return a.device.type
     return "cpu"
-
-
-@contextmanager
-def module_scopes(model: nn.Module, tracker: Tracker) -> Iterator[None]:
-    """Tell the tracker which module runs, in forward (module hooks) and in backward.
-
-    A module's backward starts when the autograd node that made its output runs, and ends when the
-    nodes that made its inputs run: pre-hooks on those *nodes* say so. (Hooks on the tensors, as
-    ``register_multi_grad_hook`` places them, keep memory alive that the real run frees -- the saved
-    inputs of activation-checkpointed blocks -- and would make the estimate wrong.)
-    """
-    handles: list[torch.utils.hooks.RemovableHandle] = []
-
-    def nodes(values: Any) -> list[torch.autograd.graph.Node]:
-        found: dict[int, torch.autograd.graph.Node] = {}
-        for t in tree_leaves(values):
-            if isinstance(t, Tensor) and t.grad_fn is not None:
-                found.setdefault(id(t.grad_fn), t.grad_fn)
-        return list(found.values())
-
-    for path, module in model.named_modules():
-
-        def pre_hook(_: nn.Module, args: Any, kwargs: Any, path: str = path) -> None:
-            tracker.enter_module(path, backward=False)
-            if torch.is_grad_enabled():
-                for node in nodes((args, kwargs)):
-                    node.register_prehook(lambda _, path=path: tracker.exit_module(path, backward=True))
-
-        def post_hook(_: nn.Module, args: Any, kwargs: Any, output: Any, path: str = path) -> None:
-            tracker.exit_module(path, backward=False)
-            if torch.is_grad_enabled():
-                for node in nodes(output):
-                    node.register_prehook(lambda _, path=path: tracker.enter_module(path, backward=True))
-
-        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
-@contextmanager
-def saved_tensor_tags(tracker: Tracker) -> Iterator[None]:
-    """Tag every tensor autograd saves for backward as an activation of the module saving it.
-
-    The pack hook returns the tensor itself, so what is held and when it is freed do not change.
-    """
-
-    def pack(t: Tensor) -> Tensor:
-        handle = tracker.handle_of(t)
-        if handle is not None:
-            tracker.events.append(Tag(handle, Role.ACTIVATION, tracker.module))
-        return t
-
-    def unpack(t: Tensor) -> Tensor:
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield

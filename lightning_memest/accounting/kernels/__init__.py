@@ -14,10 +14,10 @@ models: the oneDNN models do not apply to CUDA.
 Example:
     >>> import torch
     >>> fn = kernel_fn("cpu", what_if=False)
-    >>> out = TensorMeta.of(torch.empty(4, 8, dtype=torch.bfloat16))
-    >>> x, w = TensorMeta.of(torch.empty(4, 16, dtype=torch.bfloat16)), TensorMeta.of(torch.empty(16, 8))
-    >>> fn(OpCall(torch.ops.aten.mm.default, (x, w), {}, (out,), "cpu")).workspace_bytes  # fp32 result
-    256
+    >>> g = TensorMeta.of(torch.empty(1).expand(512, 64))  # a stride-0 gradient, as sum's backward makes
+    >>> a, out = TensorMeta.of(torch.empty(64, 512)), TensorMeta.of(torch.empty(512, 512))
+    >>> fn(OpCall(torch.ops.aten.mm.default, (g, a), {}, (out,), "cpu")).workspace_bytes  # BLAS's copy
+    131072
 """
 
 from __future__ import annotations

@@ -113,17 +113,20 @@ def _describe(value: Any) -> str:
 
 
 def signature(call: OpCall) -> str:
-    """What decides an op's kernel memory: the overload, the device, each argument (tensors by shape,
-    strides and dtype).
+    """What decides an op's kernel memory: the overload, the device, grad mode, each argument (tensors
+    by shape, strides and dtype).
 
     >>> from lightning_memest.engine.events import TensorMeta
     >>> x = TensorMeta.of(torch.empty(2, 3))
     >>> signature(OpCall(torch.ops.aten.relu.default, (x,), {}, (x,), "cpu"))
     'aten.relu.default|cpu|T(2, 3)(3, 1)float32'
+    >>> signature(OpCall(torch.ops.aten.relu.default, (x,), {}, (x,), "cpu", grad_enabled=False))
+    'aten.relu.default|cpu|no_grad|T(2, 3)(3, 1)float32'
     """
     args = ";".join(_describe(a) for a in call.args)
     kwargs = "".join(f";{k}={_describe(v)}" for k, v in sorted(call.kwargs.items()))
-    return f"{call.op}|{call.device_type}|{args}{kwargs}"
+    grad = "" if call.grad_enabled else "|no_grad"
+    return f"{call.op}|{call.device_type}{grad}|{args}{kwargs}"
 
 
 @dataclass(frozen=True)
@@ -249,8 +252,11 @@ def _fits(call: OpCall, available: int | None) -> bool:
 
 
 @contextmanager
-def _no_autograd() -> Iterator[None]:
-    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+def _as_called(call: OpCall) -> Iterator[None]:
+    """Grad mode as it was when the step called the op (some kernels allocate by it: oneDNN's LSTM makes
+    its workspace only with grad mode on); no autocast (the arguments are already cast). The inputs
+    require no grad, so nothing is recorded for autograd."""
+    with torch.set_grad_enabled(call.grad_enabled), torch.autocast(call.device_type, enabled=False):
         yield
 
 
@@ -315,7 +321,7 @@ def _measure_cpu(calls: Sequence[OpCall], guard: _Guard) -> list[KernelMemory | 
     before the op's window, outputs dropped after it."""
     device = torch.device("cpu")
     outcomes: list[tuple[_Sizes, set[int]] | BaseException] = []
-    with quiet_gc(), _no_autograd(), CpuMemoryProfile() as prof:
+    with quiet_gc(), CpuMemoryProfile() as prof:
         for i, call in enumerate(calls):
             failure: BaseException | None = None if guard.safe(call) else _Unsafe(str(call.op))
             args: Any = ()
@@ -329,7 +335,8 @@ def _measure_cpu(calls: Sequence[OpCall], guard: _Guard) -> list[KernelMemory | 
             with record_function(f"{_WINDOW}{i}"):
                 if failure is None:
                     try:
-                        out = call.op(*args, **kwargs)
+                        with _as_called(call):
+                            out = call.op(*args, **kwargs)
                     except Exception as exc:
                         failure = exc
             if failure is None:
@@ -386,7 +393,7 @@ def _measure_cuda(
 ) -> list[KernelMemory | BaseException | None]:
     """Each call run alone on the GPU, between ``memory_allocated`` and ``max_memory_allocated``."""
     results: list[KernelMemory | BaseException | None] = []
-    with torch.no_grad():
+    with torch.no_grad():  # (each op runs in its own grad mode, below)
         # cuBLAS takes its workspace at its first matmul and keeps it (a library workspace, modelled
         # apart in accounting/cuda_device.py): take it before measuring.
         torch.ones(8, 8, device=device) @ torch.ones(8, 8, device=device)
@@ -400,7 +407,8 @@ def _measure_cuda(
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
-                out = call.op(*args, **kwargs)
+                with _as_called(call):
+                    out = call.op(*args, **kwargs)
                 torch.cuda.synchronize(device)
                 peak = torch.cuda.max_memory_allocated(device) - before
                 held = torch.cuda.memory_allocated(device) - before

@@ -1,0 +1,99 @@
+"""What the step does that no op says, told to the tracker by hooks: which module runs (forward and
+backward), what autograd saves for backward, and storages resized behind the dispatcher's back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves
+
+from lightning_memest.engine.events import Role, Tag
+from lightning_memest.engine.tracker import Tracker
+
+__all__ = ["module_scopes", "saved_tensor_tags", "storage_resizes"]
+
+
+@contextmanager
+def storage_resizes(tracker: Tracker) -> Iterator[None]:
+    """Report every ``UntypedStorage.resize_`` to the tracker while inside."""
+    original = torch.UntypedStorage.resize_
+    own = "resize_" in vars(torch.UntypedStorage)  # else inherited from torch._C.StorageBase
+
+    def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+        result = original(storage, size)
+        tracker.on_storage_resize(storage)
+        return result
+
+    torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        if own:
+            torch.UntypedStorage.resize_ = original  # type: ignore[method-assign]
+        else:
+            del torch.UntypedStorage.resize_
+
+
+@contextmanager
+def module_scopes(model: nn.Module, tracker: Tracker) -> Iterator[None]:
+    """Tell the tracker which module runs, in forward (module hooks) and in backward.
+
+    A module's backward starts when the autograd node that made its output runs, and ends when the
+    nodes that made its inputs run: pre-hooks on those *nodes* say so. (Hooks on the tensors, as
+    ``register_multi_grad_hook`` places them, keep memory alive that the real run frees -- the saved
+    inputs of activation-checkpointed blocks -- and would make the estimate wrong.)
+    """
+    handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def nodes(values: Any) -> list[torch.autograd.graph.Node]:
+        found: dict[int, torch.autograd.graph.Node] = {}
+        for t in tree_leaves(values):
+            if isinstance(t, Tensor) and t.grad_fn is not None:
+                found.setdefault(id(t.grad_fn), t.grad_fn)
+        return list(found.values())
+
+    for path, module in model.named_modules():
+
+        def pre_hook(_: nn.Module, args: Any, kwargs: Any, path: str = path) -> None:
+            tracker.enter_module(path, backward=False)
+            if torch.is_grad_enabled():
+                for node in nodes((args, kwargs)):
+                    node.register_prehook(lambda _, path=path: tracker.exit_module(path, backward=True))
+
+        def post_hook(_: nn.Module, args: Any, kwargs: Any, output: Any, path: str = path) -> None:
+            tracker.exit_module(path, backward=False)
+            if torch.is_grad_enabled():
+                for node in nodes(output):
+                    node.register_prehook(lambda _, path=path: tracker.enter_module(path, backward=True))
+
+        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+        handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def saved_tensor_tags(tracker: Tracker) -> Iterator[None]:
+    """Tag every tensor autograd saves for backward as an activation of the module saving it.
+
+    The pack hook returns the tensor itself, so what is held and when it is freed do not change.
+    """
+
+    def pack(t: Tensor) -> Tensor:
+        handle = tracker.handle_of(t)
+        if handle is not None:
+            tracker.events.append(Tag(handle, Role.ACTIVATION, tracker.module))
+        return t
+
+    def unpack(t: Tensor) -> Tensor:
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield

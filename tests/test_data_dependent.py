@@ -1,0 +1,377 @@
+"""Every data-dependent op has a policy (issue 13, item 2): the enumeration of PyTorch's tags, each policy's
+answer against the real kernel's output where the inputs make it largest, and the everyday cases end to end
+(``torch.unique`` and ``bincount`` in a loss, a packed LSTM exact against the CPU allocator, torchmetrics
+in the loss function, torchvision's ``batched_nms`` over more than 4000 boxes)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import Tensor, nn
+from torch._ops import OpOverload
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+from lightning_memest import EstimationError, estimate_step
+from lightning_memest.engine import data_dependent
+from lightning_memest.engine.events import DataDependent
+from lightning_memest.engine.real_path import real_path
+from lightning_memest.engine.step import StepConfig
+from lightning_memest.engine.tracker import Tracker, TrackingFakeTensorMode
+from lightning_memest.measure import measure_step
+
+aten = torch.ops.aten
+
+#: Ops the issue names besides the tagged ones (some are tagged too).
+NAMED = [
+    aten._local_scalar_dense.default,
+    aten._pack_padded_sequence.default,
+    aten.repeat_interleave.Tensor,
+    aten._unique.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.unique_dim_consecutive.default,
+    aten.bincount.default,
+    aten.histc.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.index.Tensor,
+    torch.ops.torchvision.nms.default,
+]
+
+
+def tagged_ops() -> list[OpOverload]:
+    """Every overload of every aten op PyTorch tags ``dynamic_output_shape`` or ``data_dependent_output``
+    (all registered ops, not only those ``torch.ops.aten`` has loaded)."""
+    tags = (torch.Tag.dynamic_output_shape, torch.Tag.data_dependent_output)
+    names = {n.split("::", 1)[1].split(".", 1)[0] for n in torch._C._dispatch_get_all_op_names()}
+    found = []
+    for name in sorted(n for n in names if n):
+        packet = getattr(aten, name, None)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():  # type: ignore[no-untyped-call]
+            op = getattr(packet, overload)
+            if any(tag in op.tags for tag in tags):
+                found.append(op)
+    return found
+
+
+def covered(op: OpOverload) -> bool:
+    return data_dependent.policy_of(op) is not None or any(
+        key in data_dependent.FAKE_KERNEL_SUFFICES for key in (op, op.overloadpacket)
+    )
+
+
+def test_every_tagged_and_named_op_has_a_policy() -> None:
+    tagged = tagged_ops()
+    assert aten._unique2.default in tagged and aten._local_scalar_dense.default in tagged  # the walk works
+    assert len(tagged) >= 20
+    missing = [str(op) for op in [*tagged, *NAMED] if not covered(op)]
+    assert not missing, f"data-dependent ops without a policy: {missing}"
+
+
+# --- ops whose fake kernel needs no policy -----------------------------------------------------------------
+FAKE_KERNEL_CALLS: dict[Any, Callable[[], Any]] = {
+    aten.histc: lambda: torch.histc(torch.randn(10), bins=7),
+    aten.histogram: lambda: torch.histogram(torch.randn(10), bins=4),
+    aten.nonzero_static: lambda: torch.nonzero_static(torch.randn(3, 3), size=4),
+    aten.index_put: lambda: torch.randn(3, 3).index_put((torch.randn(3, 3) > 0,), torch.tensor(1.0)),
+    aten.index_put_: lambda: torch.randn(3, 3).index_put_((torch.randn(3, 3) > 0,), torch.tensor(1.0)),
+    aten.masked_scatter: lambda: torch.randn(3, 3).masked_scatter(torch.randn(3, 3) > 0, torch.randn(9)),
+}
+
+
+def test_ops_said_to_need_no_policy_run_on_the_fake_kernel() -> None:
+    assert set(FAKE_KERNEL_CALLS) == set(data_dependent.FAKE_KERNEL_SUFFICES)
+    for call in FAKE_KERNEL_CALLS.values():
+        with FakeTensorMode():
+            out = call()
+        assert all(isinstance(t, Tensor) for t in (out if isinstance(out, tuple) else (out,)))
+    # repeat_interleave with its output size given needs no policy either
+    with FakeTensorMode():
+        assert torch.repeat_interleave(torch.tensor([1, 2, 3]), output_size=6).shape == (6,)
+
+
+# --- each policy against the real kernel at its largest output ---------------------------------------------
+def _boxes(n: int) -> Tensor:
+    x = torch.arange(n, dtype=torch.float32) * 10  # disjoint boxes: nms keeps them all
+    return torch.stack([x, torch.zeros(n), x + 5, torch.full((n,), 5.0)], dim=1)
+
+
+#: (op, inputs that make the real output as large as the inputs allow, extra keyword arguments)
+WORST_CASES: list[tuple[OpOverload, Callable[[], tuple[Any, ...]], dict[str, Any]]] = [
+    (aten.nonzero.default, lambda: (torch.ones(3, 4),), {}),
+    (aten.argwhere.default, lambda: (torch.ones(3, 4),), {}),
+    (aten.masked_select.default, lambda: (torch.randn(3, 4), torch.ones(4, dtype=torch.bool)), {}),
+    (aten.index.Tensor, lambda: (torch.randn(3, 4, 2), [torch.ones(3, 4, dtype=torch.bool)]), {}),
+    (aten._unique2.default, lambda: (torch.arange(6.0), True, True, True), {}),
+    (aten._unique.default, lambda: (torch.arange(6.0), True, True), {}),
+    (aten.unique_dim.default, lambda: (torch.arange(12.0).view(4, 3), 0, True, False, False), {}),
+    (aten.unique_consecutive.default, lambda: (torch.arange(5), True, True), {}),
+    (aten.unique_dim_consecutive.default, lambda: (torch.arange(12).view(3, 4), 1), {}),
+    (aten.bincount.default, lambda: (torch.arange(9) % 7,), {"minlength": 7}),
+    (aten.bincount.default, lambda: (torch.arange(9),), {}),
+    (aten.bincount.default, lambda: (torch.arange(5) % 3, torch.ones(5)), {"minlength": 3}),
+    (aten.repeat_interleave.Tensor, lambda: (torch.ones(5, dtype=torch.long),), {}),
+    (aten._pack_padded_sequence.default, lambda: (torch.randn(4, 7, 3), torch.full((4,), 7), True), {}),
+    (aten._pack_padded_sequence.default, lambda: (torch.randn(7, 4, 3), torch.full((4,), 7), False), {}),
+    (aten._ctc_loss.Tensor, lambda: _ctc_inputs(lengths_as_tensors=True), {}),
+    (aten._ctc_loss.default, lambda: _ctc_inputs(lengths_as_tensors=False), {}),
+    (aten.linalg_lstsq.default, lambda: (torch.randn(6, 3), torch.randn(6, 2)), {}),
+    (aten.linalg_lstsq.default, lambda: (torch.randn(2, 6, 3), torch.randn(2, 6)), {"driver": "gelsd"}),
+    (aten.linalg_lstsq.default, lambda: (torch.randn(3, 6), torch.randn(3, 2)), {"driver": "gels"}),
+    (torch.ops.torchvision.nms.default, lambda: (_boxes(6), torch.rand(6), 0.5), {}),
+]
+
+
+def _ctc_inputs(lengths_as_tensors: bool) -> tuple[Any, ...]:
+    log_probs = torch.randn(10, 2, 5).log_softmax(-1)
+    targets = torch.randint(1, 5, (2, 4))
+    input_lengths, target_lengths = [10, 9], [4, 4]  # the longest targets the (2, 4) targets allow
+    if lengths_as_tensors:
+        return log_probs, targets, torch.tensor(input_lengths), torch.tensor(target_lengths), 0, False
+    return log_probs, targets, input_lengths, target_lengths, 0, False
+
+
+def _shapes(out: Any) -> list[tuple[tuple[int, ...], torch.dtype, torch.device]]:
+    leaves = out if isinstance(out, (tuple, list)) else [out]
+    return [(tuple(t.shape), t.dtype, t.device) for t in leaves if isinstance(t, Tensor)]
+
+
+@pytest.mark.parametrize(
+    "op,inputs,kwargs", WORST_CASES, ids=lambda v: str(v) if isinstance(v, OpOverload) else ""
+)
+def test_policy_answers_the_largest_real_output(
+    op: OpOverload, inputs: Callable[[], tuple[Any, ...]], kwargs: dict[str, Any]
+) -> None:
+    torch.manual_seed(0)
+    args = inputs()
+    real = op(*args, **kwargs)
+    tracker = Tracker()
+    mode = TrackingFakeTensorMode(tracker)
+    fake_args = tuple(
+        mode.from_tensor(a)
+        if isinstance(a, Tensor)
+        else [mode.from_tensor(t) for t in a]
+        if isinstance(a, list) and a and isinstance(a[0], Tensor)
+        else a
+        for a in args
+    )
+    with mode:
+        fake = op(*fake_args, **kwargs)
+    assert _shapes(fake) == _shapes(real)
+    reads = [e for e in tracker.events if isinstance(e, DataDependent)]
+    if op is not aten._ctc_loss.default:  # its lengths are plain numbers: nothing is assumed
+        assert reads and reads[-1].assumed
+        # (argwhere is decomposed: its read is nonzero's)
+        assert reads[-1].op == str(op if op is not aten.argwhere.default else aten.nonzero.default)
+
+
+def test_scalar_reads_of_unknown_values_are_neutral() -> None:
+    tracker = Tracker()
+    with TrackingFakeTensorMode(tracker):
+        x = torch.randn(3)
+        values = (int((x > 0).sum()), float(x.sum()), bool(x.any()), torch.equal(x, x), x.allclose(x))
+    assert values == (0, 0.0, False, False, False)
+    assert [e.assumed for e in tracker.events if isinstance(e, DataDependent)] == ["0", "0.0", "False"] + [
+        "False"
+    ] * 2
+
+
+def test_out_overloads_are_sized_like_the_functional_answer() -> None:
+    tracker = Tracker()
+    with TrackingFakeTensorMode(tracker):
+        out = torch.empty(0, dtype=torch.long)
+        torch.nonzero(torch.randn(3, 4), out=out)
+    assert out.shape == (12, 2)
+
+
+def test_known_values_make_the_answer_exact_and_picked_values_bound_unique() -> None:
+    tracker = Tracker()
+    mode = TrackingFakeTensorMode(tracker)
+    with real_path(mode), mode:  # as the simulation runs
+        x = torch.randn(4, 6)
+        levels = torch.tensor([0, 1, 2]).repeat(4)  # known: numbers in the code
+        exact = torch.unique(levels)  # runs for real: nothing assumed
+        picked = levels[x.argmax(0)]  # unknown indices into known values: values among {0, 1, 2}
+        classes = torch.unique(picked)
+        positions = torch.unique(x.argmax(1))  # 4 positions along 6 columns: all 4 distinct at most
+    assert (exact.shape, classes.shape, positions.shape) == ((3,), (3,), (4,))
+    assumed = [e.assumed for e in tracker.events if isinstance(e, DataDependent)]
+    assert assumed == ["all 3 possible values present", "all 4 values distinct"]
+
+
+# --- end to end through estimate_step ----------------------------------------------------------------------
+def _reads(est: Any) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for read in est.data_dependent or ():
+        found.setdefault(read.op, []).append(read.assumed)
+    return found
+
+
+def test_unique_and_bincount_in_a_loss() -> None:
+    def loss_fn(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, y = batch
+        logits = model(x)
+        predicted = logits.argmax(-1)
+        # class-balanced loss: weights from the classes present in the batch and the predictions
+        present = torch.unique(torch.cat([y, predicted]))
+        counts = torch.bincount(predicted, minlength=5).float()
+        noise = torch.unique(logits.detach())  # unknown floats: every element distinct
+        loss: Tensor = F.cross_entropy(logits, y) * len(present) + counts.sum() * 0 + noise.sum() * 0
+        return loss
+
+    batch = (torch.randn(16, 8), torch.randint(0, 5, (16,)))
+    est = estimate_step(nn.Linear(8, 5), batch, loss_fn=loss_fn, optimizer=torch.optim.Adam)
+    reads = _reads(est)
+    assert sorted(set(reads["aten._unique2.default"])) == [
+        "all 5 possible values present",
+        "all 80 values distinct",
+    ]
+    assert set(reads["aten.bincount.default"]) == {"values up to 4 (of those possible)"}
+
+
+class PackedLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(16, 32, batch_first=True)
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x: Tensor, lengths: Tensor) -> Tensor:
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, _ = self.lstm(packed)
+        padded, _ = pad_packed_sequence(out, batch_first=True)
+        return self.head(padded)  # type: ignore[no-any-return]
+
+
+def test_packed_lstm_packs_the_batch_lengths_and_is_exact() -> None:
+    def loss_fn(model: nn.Module, batch: tuple[Tensor, Tensor, Tensor]) -> Tensor:
+        x, lengths, y = batch
+        logits = model(x, lengths)
+        return F.cross_entropy(logits.flatten(0, 1), y[:, : int(lengths.max())].flatten())
+
+    torch.manual_seed(0)
+    lengths = torch.tensor([20, 31, 9, 40, 14, 3])
+    batch = (torch.randn(6, 40, 16), lengths, torch.randint(0, 4, (6, 40)))
+    model = PackedLSTM()
+    est = estimate_step(model, batch, loss_fn=loss_fn, optimizer=torch.optim.Adam)
+    assert _reads(est)["aten._pack_padded_sequence.default"] == ["the real lengths (117 of 6x40 steps)"]
+    assert "_pad_packed_sequence" not in vars(torch._VF)  # the simulation's stand-in is gone again
+    real = measure_step(model, batch, StepConfig(loss_fn=loss_fn, optimizer=torch.optim.Adam))
+    for estimated, measured in (
+        (est.first_step.bytes, real.first_step),
+        (est.steady_state.bytes, real.steady_state),
+    ):
+        assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)
+
+
+def test_packed_sequence_of_unknown_lengths_assumes_full_lengths() -> None:
+    def loss_fn(model: nn.Module, x: Tensor) -> Tensor:
+        lengths = (x[:, :, 0] > -10).sum(1).cpu()  # computed: values unknown
+        return model(x, lengths).sum()  # type: ignore[no-any-return]
+
+    est = estimate_step(PackedLSTM(), torch.randn(3, 5, 16), loss_fn=loss_fn)
+    assert _reads(est)["aten._pack_padded_sequence.default"] == ["every sequence full length (5)"]
+
+
+class Classifier(nn.Module):
+    """A module with its metric as a submodule, updated in the loss function (torchmetrics' usage)."""
+
+    def __init__(self, validate_args: bool) -> None:
+        super().__init__()
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.net = nn.Linear(8, 5)
+        self.accuracy = MulticlassAccuracy(num_classes=5, validate_args=validate_args)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("validate_args", [True, False])
+def test_torchmetrics_accuracy_updated_in_the_loss(validate_args: bool) -> None:
+    def loss_fn(model: nn.Module, batch: tuple[Tensor, Tensor]) -> Tensor:
+        x, y = batch
+        logits = model(x)
+        model.accuracy.update(logits, y)  # type: ignore[operator,union-attr]
+        return F.cross_entropy(logits, y)
+
+    model = Classifier(validate_args)
+    est = estimate_step(
+        model, (torch.randn(16, 8), torch.randint(0, 5, (16,))), loss_fn=loss_fn, optimizer=torch.optim.SGD
+    )
+    assert _reads(est)["aten.bincount.default"] == ["values below minlength (25)"]  # num_classes**2
+    # the metric's state is the real one again
+    assert type(model.accuracy.tp) is Tensor and int(model.accuracy.tp.sum()) == 0
+
+
+class Detections(nn.Module):
+    """Scores and refines boxes, then keeps torchvision's batched_nms survivors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 8)
+
+    def forward(self, boxes: Tensor, classes: Tensor | None = None) -> Tensor:
+        out = self.head(boxes)
+        scores, predicted = out[:, 4:].max(-1)
+        keep = torchvision.ops.batched_nms(
+            boxes + out[:, :4], scores, predicted if classes is None else classes, 0.5
+        )
+        return out[keep].sum()  # type: ignore[no-any-return]
+
+
+def test_batched_nms_over_4000_boxes() -> None:
+    # Above 1000 boxes (4000 coordinates) torchvision's CPU batched_nms loops over torch.unique(classes).
+    torch.manual_seed(0)
+    n = 4100
+    corner = torch.rand(n, 2) * 100
+    boxes = torch.cat([corner, corner + torch.rand(n, 2) * 20 + 1], 1)
+    classes = torch.randint(0, 3, (n,))
+    sizes = torch.bincount(classes).tolist()
+
+    est = estimate_step(Detections(), (boxes, classes), loss_fn=lambda m, b: m(*b), optimizer=torch.optim.SGD)
+    reads = _reads(est)
+    # the batch's classes are known: unique is exact (nothing assumed), nms of each class keeps all of it
+    assert "aten._unique2.default" not in reads
+    assert sorted(reads["torchvision.nms.default"]) == sorted(f"every box kept ({k})" for k in sizes)
+
+    # classes predicted by the model: unknown, but positions along 4 columns -- 4 nms calls, not 4100
+    est = estimate_step(Detections(), boxes, loss_fn=lambda m, b: m(b), optimizer=torch.optim.SGD)
+    reads = _reads(est)
+    assert reads["aten._unique2.default"] == ["all 4 possible values present"]
+    assert reads["torchvision.nms.default"] == [f"every box kept ({n})"]
+    assert est.data_dependent is not None
+    assert sum(r.count for r in est.data_dependent if r.op == "torchvision.nms.default") == 4 * 2  # 2 steps
+
+
+@torch.library.custom_op("memest_test::keep_positive", mutates_args=())
+def keep_positive(x: Tensor) -> Tensor:
+    """A user's op whose output size depends on values, with a fake kernel that says so."""
+    return x[x > 0].clone()
+
+
+@keep_positive.register_fake
+def _(x: Tensor) -> Tensor:
+    return x.new_empty(torch.library.get_ctx().new_dynamic_size())
+
+
+def test_a_data_dependent_op_without_policy_names_op_and_module() -> None:
+    class Keep(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return keep_positive(x).sum() * x.sum()  # type: ignore[no-any-return]
+
+    model = nn.Sequential(nn.Linear(4, 4), Keep())
+    with pytest.raises(EstimationError) as info:
+        estimate_step(model, torch.randn(3, 4))
+    assert info.value.op == "memest_test.keep_positive.default" and info.value.module == "1"
+    assert "keep_positive" in str(info.value) and "'1'" in str(info.value)
+    # the model is restored even after a failure
+    assert type(model[0].weight) is nn.Parameter and not hasattr(model[0].weight, "fake_mode")
