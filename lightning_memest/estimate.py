@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -31,6 +32,7 @@ def estimate_step(
     strategy: Strategy | None = None,
     gpu: CudaDevice | None = None,
     calibrate: bool = False,
+    next_batches: Sequence[Any] = (),
 ) -> StepEstimate:
     """Estimate the peak memory of training steps of ``model`` on ``batch``, without running them.
 
@@ -62,6 +64,8 @@ def estimate_step(
             op signature run once for real, alone, at its exact shapes (small real allocations; cached
             on disk per machine, see ``accounting.kernels.calibrate``), instead of relying on the hand
             models alone. For the device the step runs on; not for a what-if.
+        next_batches: the batches of the steps after the first, when they differ from ``batch`` (a
+            dataloader that pads each batch to its longest sequence); the last one repeats.
 
     Example:
         >>> import torch
@@ -75,7 +79,16 @@ def estimate_step(
         8478816
     """
     config = StepConfig(loss_fn, optimizer, cast(Precision, precision), strategy)  # validates itself
-    return estimate(model, batch, config, device=device, steps=steps, gpu=gpu, calibrate=calibrate)
+    return estimate(
+        model,
+        batch,
+        config,
+        device=device,
+        steps=steps,
+        gpu=gpu,
+        calibrate=calibrate,
+        next_batches=next_batches,
+    )
 
 
 def estimate(
@@ -87,6 +100,7 @@ def estimate(
     steps: int = 2,
     gpu: CudaDevice | None = None,
     calibrate: bool = False,
+    next_batches: Sequence[Any] = (),
 ) -> StepEstimate:
     """:func:`estimate_step` for a step already described by a :class:`StepConfig` (what the CLI's cases
     and scripts hold): the simulation on fake tensors, then its accounting.
@@ -98,6 +112,8 @@ def estimate(
         True
     """
     capture = capture_filter(flops=True, calibrate=calibrate)
-    sim = simulate(model, batch, config, device=device, steps=steps, capture=capture)
+    sim = simulate(
+        model, batch, config, device=device, steps=steps, capture=capture, next_batches=next_batches
+    )
     calibration = calibrate_kernels(sim) if calibrate and sim.what_if is None else None
     return account(sim, gpu, calibration)

@@ -49,6 +49,8 @@ class Breakdown:
     communication: int
     inputs: int
     temporaries: int
+    other_tensors: int = 0
+    """Tensors alive on the device that are not the step's own (other callbacks' state, datasets)."""
 
     @property
     def total(self) -> int:
@@ -436,6 +438,8 @@ class StepEstimate:
     """What calibrating the kernels on this machine took; ``None`` when not calibrated."""
     kernel_sources: tuple[KernelSource, ...] | None = None
     """Per op, where the kernel memory came from (calibrated estimates only; ``None`` otherwise)."""
+    batch_shapes: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+    """Per simulated step, the shapes of its batch's tensors: what the figures are for."""
 
     @property
     def device_bytes(self) -> int | None:

@@ -315,3 +315,39 @@ def test_peak_bytes_without_the_report_is_the_reported_peak(device: str) -> None
     config = StepConfig(optimizer=torch.optim.AdamW)
     sim = simulate(model, batch, config, device=device, capture=capture_filter(flops=False))
     assert peak_bytes(sim) == est.peak_bytes
+
+
+def test_each_step_its_own_batch_against_the_real_steps() -> None:
+    # Dynamic padding: the second batch is longer. The estimate runs each step on its own batch (the
+    # first one gone), measured against real steps on the same batches (the CPU allocator's events;
+    # each step's resident tensors counted at its start, as the callback's probe does).
+    from lightning_memest.engine.step import StepConfig, StepRunner
+    from lightning_memest.measure import StepProbe, module_tensors
+
+    class Tagger(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.rnn, self.head = nn.Embedding(100, 32), nn.GRU(32, 64, batch_first=True), nn.Linear(64, 5)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(self.embed(ids))[0])  # type: ignore[no-any-return]
+
+    torch.manual_seed(0)
+    model = Tagger()
+    short, long = torch.randint(0, 100, (4, 12)), torch.randint(0, 100, (4, 48))
+    est = estimate_step(model, short, optimizer=torch.optim.Adam, next_batches=[long], calibrate=True)
+    assert est.batch_shapes == (((4, 12),), ((4, 48),))
+    same = estimate_step(model, short, optimizer=torch.optim.Adam)
+    assert est.steady_state.bytes > same.steady_state.bytes  # the longer batch needs more
+
+    real = copy.deepcopy(model)
+    runner = StepRunner(real, StepConfig(optimizer=torch.optim.Adam))
+    probe = StepProbe(torch.device("cpu"))
+    for batch in (short, long):
+        state = [t for s in (runner.optimizer.state.values() if runner.optimizer else ()) for t in s.values()]
+        probe.start([*module_tensors(real), *state, batch])
+        loss = runner.run(batch)
+        del loss
+        probe.stop()
+    measured = [peak for peak, _ in probe.finish()]
+    assert [p.bytes for p in est.peaks] == measured

@@ -209,6 +209,7 @@ def account(
         cuda_context_bytes=context,
         calibration=calibration.summary() if calibration is not None else None,
         kernel_sources=memory.kernels.sources() if isinstance(memory.kernels, CalibratedKernels) else None,
+        batch_shapes=sim.batch_shapes,
     )
 
 

@@ -50,6 +50,9 @@ class Role(str, enum.Enum):
     PARAMETER = "parameters"
     BUFFER = "buffers"
     INPUT = "inputs"
+    OTHER = "other_tensors"
+    """Tensors alive on the device that are not the step's own: other callbacks' state (an EMA copy of
+    the weights), metric states, a dataset held in memory."""
     OPTIMIZER_STATE = "optimizer_state"
     GRADIENT = "gradients"
     COMMUNICATION = "communication"

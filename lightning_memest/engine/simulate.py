@@ -79,6 +79,8 @@ class Simulation:
     """The step's precision (``StepConfig.precision``)."""
     modules: ModuleNode
     """The model's module tree."""
+    batch_shapes: tuple[tuple[tuple[int, ...], ...], ...]
+    """Per simulated step, the shapes of its batch's tensors."""
     what_if: str | None = None
     """``"cuda"`` when CUDA was asked for on a machine without one: the step ran on fake CPU tensors
     with CUDA's optimizer defaults, and the accounting treats it as CUDA (approximate)."""
@@ -98,6 +100,8 @@ def simulate(
     device: str | torch.device | None = None,
     steps: int = 2,
     capture: CaptureFilter | None = None,
+    next_batches: Sequence[Any] = (),
+    residents: Sequence[Tensor] = (),
 ) -> Simulation:
     """Run ``steps`` training steps of ``model`` on fake tensors of ``device``; record every event.
 
@@ -109,6 +113,13 @@ def simulate(
     NumPy's, Python's), whatever the step draws and however it ends. Libraries take the code path of
     a real eager run, with the values it reads (``engine.real_path``). ``capture`` picks the ops whose
     full call (argument shapes) is recorded.
+
+    ``batch`` is the first step's batch; ``next_batches`` those of the steps after it (the last one
+    repeats; none: ``batch`` every step), each resident from its step on, its predecessor gone (a
+    dataloader whose batches change shape: dynamic padding). ``residents`` are tensors alive on the
+    device that are not the step's own -- other callbacks' state (an EMA copy of the weights), metric
+    states, a dataset held in memory; real, fake or meta (of the right size): they count as
+    ``Role.OTHER``.
 
     Example:
         >>> import torch
@@ -136,12 +147,16 @@ def simulate(
         # crashed the process (a segfault no warning can catch). The estimate is of eager memory.
         stack.enter_context(torch._dynamo.config.patch(disable=True))
         stack.enter_context(fake_module(model, converter))
-        fake_batch = converter.batch(batch)
+        batches = [batch, *next_batches]
+        fakes = [converter.batch(b) for b in batches]
+        fake_batch = fakes[0]
         # Libraries take the real eager run's code path: see engine.real_path.
-        known = [(converter.tensor(t), t) for t in iter_tensors(batch)]
+        known = [(converter.tensor(t), t) for b in batches for t in iter_tensors(b)]
         stack.enter_context(real_path(mode, known, cpu_allocator=target.type == "cpu" and what_if is None))
         for t, role, path in _residents(model, fake_batch):
             tracker.add_resident(t, role, path)
+        for t in residents:
+            tracker.add_resident(t, Role.OTHER, "")
         model.train()
         if isinstance(strategy, FSDP):
             strip_fully_shard(model)  # a module that arrived sharded is sharded again, on fake tensors
@@ -157,8 +172,13 @@ def simulate(
             if strategy is not None:
                 # FSDP replaced the parameters by their shards: those are what this rank holds.
                 tracker.settle_residents(_residents(model, fake_batch))
-            for _ in range(steps):
-                step.run(fake_batch)
+            current = fake_batch
+            for i in range(steps):
+                following = fakes[min(i, len(fakes) - 1)]
+                if following is not current:
+                    tracker.replace_inputs(list(iter_tensors(current)), list(iter_tensors(following)))
+                    current = following
+                step.run(current)
         except EstimationError:
             raise
         except Exception as exc:
@@ -169,7 +189,10 @@ def simulate(
             ) from exc
         del step
     seconds = time.perf_counter() - start
-    return Simulation(tracker.events, target, steps, seconds, precision, modules, what_if)
+    shapes = tuple(
+        tuple(tuple(t.shape) for t in iter_tensors(batches[min(i, len(batches) - 1)])) for i in range(steps)
+    )
+    return Simulation(tracker.events, target, steps, seconds, precision, modules, shapes, what_if)
 
 
 def _target_device(model: nn.Module, device: str | torch.device | None) -> tuple[torch.device, str | None]:

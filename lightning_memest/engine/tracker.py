@@ -155,6 +155,20 @@ class Tracker:
         for t, role, path in residents:
             self.add_resident(t, role, path)
 
+    def replace_inputs(self, old: list[Tensor], new: list[Tensor]) -> None:
+        """A new batch between two steps: the old batch's storages are freed (those the new one does not
+        share), the new one's are resident from here on."""
+        keep = {local_tensor(t).untyped_storage()._cdata for t in new}
+        for t in old:
+            key = local_tensor(t).untyped_storage()._cdata
+            handle = self._handles.get(key)
+            if key not in keep and handle is not None and handle in self._residents:
+                del self._handles[key], self._sizes[key], self._refs[key]
+                self._residents.discard(handle)
+                self.events.append(Free(handle))
+        for t in new:
+            self.add_resident(t, Role.INPUT, "")
+
     def on_storage_resize(self, storage: torch.UntypedStorage) -> None:
         """``UntypedStorage.resize_`` (FSDP frees and re-allocates unsharded parameters so) bypasses
         the dispatcher: the fake mode never sees it."""

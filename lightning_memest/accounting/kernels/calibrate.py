@@ -95,13 +95,26 @@ def outputs_only(call: OpCall) -> bool:
     here: relu on a strided input, bf16 gelu and sigmoid, ``_foreach_add``). With mixed dtypes it does
     not -- ``bf16.add_(fp32)`` holds two float32 copies, 8 MiB for 1 Mi elements -- so those are
     measured. The optimizer's ``_foreach_`` updates over all parameters are most of the work this
-    rule saves."""
+    rule saves. A Python number where a tensor goes (``x / 3.0``) is wrapped into one first: measured.
+    """
     op = call.op
     if torch.Tag.pointwise not in op.tags and not op.overloadpacket.__name__.startswith("_foreach_"):
+        return False
+    if _wraps_numbers(call):
         return False
     dtypes = {v.dtype for v in tree_leaves((call.args, call.kwargs)) if isinstance(v, TensorMeta)}
     dtypes.update(o.dtype for o in call.outputs if o is not None)
     return len(dtypes) <= 1
+
+
+def _wraps_numbers(call: OpCall) -> bool:
+    """Whether a Python number goes where the schema takes a tensor (``x / 3.0`` is ``div.Tensor``): the
+    kernel wraps it in a tensor of its own first, a few bytes the fake run never sees (Adam's first
+    step peaks in such a ``div``: 12 B)."""
+    for argument, value in zip(call.op._schema.arguments, call.args, strict=False):
+        if isinstance(value, (int, float, bool, complex)) and isinstance(argument.type, torch.TensorType):
+            return True
+    return False
 
 
 def _describe(value: Any) -> str:
