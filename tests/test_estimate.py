@@ -60,3 +60,19 @@ def test_estimate_within_one_percent_of_measured(
         assert abs(error) <= 0.01, (
             f"step {peak.step}: estimated {peak.bytes}, measured {truth} ({error:+.2%})"
         )
+
+
+def test_calibration_leaves_the_random_generators_as_they_were() -> None:
+    # Calibration runs the step's random ops (dropout) for real: the generators must not notice.
+    import torch
+    from torch import nn
+
+    from lightning_memest import estimate_step
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 4))
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    est = estimate_step(model, torch.zeros(8, 16), optimizer=torch.optim.SGD, calibrate=True)
+    assert est.calibration is not None and est.calibration.measured > 0
+    assert torch.equal(torch.rand(4), expected)

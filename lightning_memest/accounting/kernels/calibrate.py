@@ -438,6 +438,18 @@ def _measure_cuda(
 # ------------------------------------------------------------------------------------------ calibrate
 
 
+@contextmanager
+def _preserved_generators(device: torch.device) -> Iterator[None]:
+    """torch's CPU generator and ``device``'s CUDA one as they were (the only ones aten ops draw from)."""
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()]
+        if device.type == "cuda"
+        else []
+    )
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
 def _hand_model(call: OpCall) -> KernelMemory | None:
     """What the hand model of ``call``'s device says (for the guard: outputs bigger than faked)."""
     if call.device_type == "cuda":
@@ -492,10 +504,13 @@ def calibrate(sim: Simulation, *, cache_dir: Path | str | bool | None = True) ->
     if runnable:
         keys = list(runnable)
         chosen = list(runnable.values())
-        if device.type == "cuda":
-            results = _measure_cuda(chosen, device, guard)
-        else:
-            results = _measure_cpu(chosen, guard)
+        # The step's random ops (dropout's bernoulli_, a sampler's randperm) run for real here: they
+        # must not move the generators training draws from.
+        with _preserved_generators(device):
+            if device.type == "cuda":
+                results = _measure_cuda(chosen, device, guard)
+            else:
+                results = _measure_cpu(chosen, guard)
         for key, result in zip(keys, results, strict=True):
             if isinstance(result, BaseException):
                 failed.add(str(runnable[key].op))
