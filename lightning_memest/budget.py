@@ -187,7 +187,7 @@ def precheck(
     budget_bytes: int,
     *,
     batch_size: int | None = None,
-    max_fit: Callable[[], int] | None = None,
+    max_fit: Callable[[], int | None] | None = None,
 ) -> PrecheckResult:
     """Compare the estimated peak with ``budget_bytes`` (from :func:`device_budget`, say).
 

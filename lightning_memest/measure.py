@@ -42,13 +42,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.profiler import record_function
 
 from lightning_memest.allocator_events import CpuMemoryProfile, quiet_gc, window_figures
@@ -61,6 +64,7 @@ __all__ = [
     "Measurement",
     "StepProbe",
     "cpu_step_peaks",
+    "live_tensors",
     "measure_step",
     "module_tensors",
     "resident_bytes",
@@ -105,6 +109,44 @@ def module_tensors(model: nn.Module) -> Iterator[Tensor]:
     for p in model.parameters():
         if p.grad is not None:
             yield local_tensor(p.grad)
+
+
+def live_tensors(device: torch.device, *, besides: Iterable[Tensor] = ()) -> list[Tensor]:
+    """Every tensor alive in this process on ``device`` (a scan of the garbage collector's objects, after
+    a collection), one per storage, but those sharing a storage with ``besides``: the memory that
+    "simply sits there" -- another callback's copy of the weights, metric states, a dataset held in
+    memory, a prefetched batch. Fake and meta tensors hold no memory and are left out.
+
+    >>> kept = torch.ones(1000)
+    >>> any(t.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr()
+    ...     for t in live_tensors(torch.device("cpu")))
+    True
+    """
+    gc.collect()
+    seen = {_storage_key(t) for t in besides if t.device.type != "meta"}
+    found: list[Tensor] = []
+    with warnings.catch_warnings():  # isinstance on some deprecated objects warns (torch.distributed's)
+        warnings.simplefilter("ignore")
+        candidates = [obj for obj in gc.get_objects() if isinstance(obj, Tensor)]
+    for obj in candidates:
+        if isinstance(obj, FakeTensor) or obj.device.type != device.type:
+            continue
+        if device.index is not None and obj.device.index not in (None, device.index):
+            continue
+        try:
+            key = _storage_key(obj)
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
+            continue
+        if key[0] == 0 or key in seen:
+            continue
+        seen.add(key)
+        found.append(obj)
+    return found
+
+
+def _storage_key(t: Tensor) -> tuple[int, int]:
+    storage = local_tensor(t).untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
 
 
 def resident_bytes(tensors: Iterable[Tensor]) -> int:

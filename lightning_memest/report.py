@@ -440,6 +440,9 @@ class StepEstimate:
     """Per op, where the kernel memory came from (calibrated estimates only; ``None`` otherwise)."""
     batch_shapes: tuple[tuple[tuple[int, ...], ...], ...] | None = None
     """Per simulated step, the shapes of its batch's tensors: what the figures are for."""
+    reads_values: bool = False
+    """Whether the step's code read tensor values (the batch's lengths, masks, positions): the figures
+    then hold for batches with these values, not every batch of these shapes."""
 
     @property
     def device_bytes(self) -> int | None:

@@ -210,6 +210,7 @@ def account(
         calibration=calibration.summary() if calibration is not None else None,
         kernel_sources=memory.kernels.sources() if isinstance(memory.kernels, CalibratedKernels) else None,
         batch_shapes=sim.batch_shapes,
+        reads_values=sim.value_reads > 0,
     )
 
 

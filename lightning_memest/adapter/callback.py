@@ -20,14 +20,16 @@ from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_memest.adapter.fit import FitSetup, fit_setup
+from lightning_memest.adapter.fit import fit_setup
+from lightning_memest.adapter.fit_batches import FitBatches
 from lightning_memest.adapter.loggers import log_figures
 from lightning_memest.adapter.summary import estimate_columns, footer_items, render_summary
 from lightning_memest.batches import batch_size_of, iter_tensors
-from lightning_memest.budget import device_budget, parse_size, precheck
+from lightning_memest.budget import PrecheckResult, device_budget, parse_size, precheck
 from lightning_memest.engine.fake import local_tensor
 from lightning_memest.engine.step import optimizer_state_tensors
-from lightning_memest.measure import StepProbe, module_tensors, resident_bytes
+from lightning_memest.errors import MemoryBudgetError
+from lightning_memest.measure import StepProbe, live_tensors, module_tensors
 from lightning_memest.report import StepEstimate, format_bytes
 
 __all__ = ["CHECKED_STEPS", "MeasuredStep", "MemEstimate"]
@@ -101,6 +103,7 @@ class MemEstimate(ModelSummary):
         *,
         check: bool = True,
         calibrate: bool = True,
+        example_batch: Any = None,
         memory_check: Literal["off", "warn", "raise"] = "warn",
         memory_budget: int | str | None = None,
         memory_margin_bytes: int | None = None,
@@ -111,11 +114,17 @@ class MemEstimate(ModelSummary):
             raise ValueError(f"memory_check must be 'off', 'warn' or 'raise'; got {memory_check!r}")
         self.check = check
         self.calibrate = calibrate
+        self.example_batch = example_batch
         self.memory_check = memory_check
         self.memory_budget = memory_budget
         self.memory_margin_bytes = memory_margin_bytes
         self.estimate: StepEstimate | None = None
-        """The estimate made on fit start (``None`` before, or if it failed)."""
+        """The estimate of the first two steps (``None`` before, or if it failed): made at the first
+        training batch (on fit start with ``example_batch``), and again at the second where that batch
+        needs other memory."""
+        self.estimates: dict[tuple[tuple[int, ...], ...], StepEstimate] = {}
+        """Every estimate made, by the batch shapes it is for (later batches larger than any before
+        are estimated before their step)."""
         self.measured: list[MeasuredStep] = []
         """The measured first batches, once they ran."""
         self.setup_seconds: float | None = None
@@ -124,6 +133,9 @@ class MemEstimate(ModelSummary):
         self._unseen: _UnseenBuckets | None = None
         self._steps_started = 0
         self._warned = False
+        self._batches = FitBatches(calibrate)
+        self._summarized = False
+        self._trying = True  # estimating has not failed
 
     def describe(self) -> str:
         """What the callback found, in a few lines: the estimate, its cost, and the check.
@@ -151,47 +163,109 @@ class MemEstimate(ModelSummary):
             ]
         return "\n".join(lines)
 
-    # --- fit start: estimate, then the summary ----------------------------------------------------------
+    # --- estimates: from the batches training gets; then the summary --------------------------------------
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Estimated here rather than in setup: configure_model has run, the precision plugin has
-        # converted the module, and the strategy knows its device.
+        # A new fit: nothing of an earlier one carries over.
+        self.estimate, self.estimates, self.measured, self.setup_seconds = None, {}, [], None
+        self._batches = FitBatches(self.calibrate)
+        self._summarized, self._trying, self._warned = False, True, False
+        self._probe, self._steps_started = None, 0
+        if self.example_batch is None:
+            return  # estimated at the first training batch, with the batch in hand
+        example = pl_module.on_before_batch_transfer(self.example_batch, 0)
+        self._first_estimate(trainer, pl_module, example, given=True)
+
+    def _first_estimate(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *, given: bool
+    ) -> None:
         start = time.perf_counter()
-        fit = self._safely("reading the trainer and a training batch", lambda: fit_setup(trainer, pl_module))
-        if fit is not None:
-            self.estimate = self._safely(
-                "estimating", lambda: fit.estimate(steps=CHECKED_STEPS, calibrate=self.calibrate)
-            )
+        self.estimate = self._safely(
+            "estimating", lambda: self._batches.estimate_first(trainer, pl_module, batch, given=given)
+        )
         self.setup_seconds = time.perf_counter() - start
+        self._trying = self.estimate is not None
         if self.estimate is not None:
+            self._note(self.estimate)
             _set_flops_per_batch(pl_module, self.estimate)
             self._log_estimate(trainer, self.estimate)
-        if self._max_depth:
-            self._safely("printing the model summary", lambda: self._print_summary(trainer, pl_module))
-        if fit is not None and self.estimate is not None and self.memory_check != "off":
+        self._summarize(trainer, pl_module)
+        if self.estimate is not None:
             # Not through _safely: with memory_check="raise" the error must stop fit before any step.
-            self._precheck(fit, trainer, self.estimate)
+            self._precheck(trainer, pl_module, batch, self.estimate, transferred=not given)
 
-    def _precheck(self, fit: FitSetup, trainer: pl.Trainer, estimate: StepEstimate) -> None:
+    def _note(self, estimate: StepEstimate) -> None:
+        for shapes in estimate.batch_shapes or ():
+            self.estimates[shapes] = estimate
+
+    def _summarize(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._max_depth and not self._summarized:
+            self._summarized = True
+            self._safely("printing the model summary", lambda: self._print_summary(trainer, pl_module))
+
+    def _precheck(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        estimate: StepEstimate,
+        *,
+        transferred: bool,
+    ) -> None:
+        if self.memory_check == "off":
+            return
+        result = self._safely(
+            "checking the memory budget", lambda: self._fits(trainer, pl_module, batch, estimate, transferred)
+        )
+        fits = True if result is None else result.fits
+        # Under DDP every rank must decide alike, or the ranks that go on would wait for the others.
+        if trainer.strategy.reduce_boolean_decision(fits, all=True):
+            return
+        if result is None:  # fits here, not on another rank
+            error = MemoryBudgetError(
+                "the estimate is over the memory budget on another rank",
+                peak_bytes=estimate.peak_bytes,
+                budget_bytes=0,
+            )
+        else:
+            error = result.error()
+        if self.memory_check == "raise":
+            raise error
+        rank_zero_warn(f"MemEstimate: {error}")
+
+    def _fits(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        estimate: StepEstimate,
+        transferred: bool,
+    ) -> PrecheckResult:
+        fit = fit_setup(trainer, pl_module, batch, transferred=transferred)
         if self.memory_budget is not None:
             budget = (
                 parse_size(self.memory_budget) if isinstance(self.memory_budget, str) else self.memory_budget
             )
         else:
-            resident = resident_bytes(module_tensors(fit.module)) if fit.device.type == "cpu" else 0
-            budget = device_budget(fit.device, margin_bytes=self.memory_margin_bytes, resident_bytes=resident)
+            # What the estimate counts that already takes memory is given back (the CPU's available
+            # memory no longer shows it; CUDA's reserved bytes do).
+            resident = estimate.first_step.breakdown.parameters + estimate.first_step.breakdown.buffers
+            resident += estimate.first_step.breakdown.other_tensors
+            budget = device_budget(
+                fit.device,
+                margin_bytes=self.memory_margin_bytes,
+                resident_bytes=resident if fit.device.type == "cpu" else 0,
+            )
         size = batch_size_of(fit.batch)
 
-        def max_fit() -> int:
-            return fit.max_batch_size(budget, batch_size=size).max_batch_size
+        def max_fit() -> int | None:
+            # The largest batch size that fits: a search, worth trying, not worth failing the check for.
+            try:
+                return fit.max_batch_size(budget, batch_size=size).max_batch_size
+            except Exception:
+                return None
 
-        result = precheck(estimate, budget, batch_size=size, max_fit=max_fit)
-        # Under DDP every rank must decide alike, or the ranks that go on would wait for the others.
-        if trainer.strategy.reduce_boolean_decision(result.fits, all=True):
-            return
-        if self.memory_check == "raise":
-            raise result.error()
-        rank_zero_warn(f"MemEstimate: {result.message}")
+        return precheck(estimate, budget, batch_size=size, max_fit=max_fit)
 
     def _print_summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         summary = self._summary(trainer, pl_module)
@@ -211,13 +285,53 @@ class MemEstimate(ModelSummary):
                 footer,
             )
 
-    # --- the first real batches: measure ----------------------------------------------------------------
+    # --- each training batch: estimate what is new, measure the first ones -----------------------------
     @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if not self.check or self.estimate is None or self._steps_started >= CHECKED_STEPS:
+        measuring = self._probe is not None and trainer.strategy.root_device.type == "cpu"
+        if self._trying and self.estimate is None:
+            self._first_estimate(trainer, pl_module, batch, given=False)
+        elif self._trying and self._steps_started == 1:
+            self._second_estimate(trainer, pl_module, batch, measuring)
+        elif self._trying and self._steps_started > 1:
+            self._later_estimate(trainer, pl_module, batch)
+        if self.check and self.estimate is not None and self._steps_started < CHECKED_STEPS:
+            self._start_measuring(trainer, pl_module, batch)
+        else:
+            self._steps_started += 1
+
+    def _second_estimate(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, measuring: bool
+    ) -> None:
+        """Step 2 runs on this batch: where it needs other memory than the first, estimate the two steps
+        as they come (what the check of step 2 compares with)."""
+        both = self._safely(
+            "estimating the second batch",
+            lambda: self._batches.estimate_second(trainer, pl_module, batch, measuring=measuring),
+        )
+        if both is not None:
+            self.estimate = both
+            self._note(both)
+            self._log_estimate(trainer, both)
+
+    def _later_estimate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+        """A batch larger than any estimated so far: its estimate, logged and checked before its step."""
+        larger = self._safely(
+            "estimating a larger batch", lambda: self._batches.estimate_if_larger(trainer, pl_module, batch)
+        )
+        if larger is None:
             return
+        self._note(larger)
+        self._log(
+            trainer,
+            {"memest/larger_batch/estimated_bytes": float(larger.peak_bytes)},
+            step=trainer.global_step,
+        )
+        self._precheck(trainer, pl_module, batch, larger, transferred=True)
+
+    def _start_measuring(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         device = trainer.strategy.root_device
         if self._probe is None:
             if device.type == "cpu":
@@ -227,13 +341,14 @@ class MemEstimate(ModelSummary):
 
         def start() -> bool:
             self._unseen = _UnseenBuckets.at_step_start(trainer)
-            probe.start(_resident_tensors(trainer, pl_module, batch))
+            probe.start(_resident_tensors(trainer, pl_module, batch, own=self._batches.first))
             return True
 
         if self._safely("measuring", start):
             self._steps_started += 1
         else:
             self.check = False
+            self._steps_started += 1
 
     @override
     def on_train_batch_end(
@@ -257,6 +372,7 @@ class MemEstimate(ModelSummary):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._probe is not None and self._steps_started:  # fewer batches than CHECKED_STEPS
             self._finish(trainer)
+        self._summarize(trainer, pl_module)  # no training batch ran: the summary without an estimate
 
     @override
     def on_exception(
@@ -366,11 +482,18 @@ class _UnseenBuckets:
         return sum(int(n) for n in sizes.replace(",", " ").split())
 
 
-def _resident_tensors(trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> list[Tensor]:
-    # Plain tensor attributes count too: a cache a module made in the first step (a positional
-    # encoding) is resident in the second.
+def _resident_tensors(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, own: Any
+) -> list[Tensor]:
+    """What is resident at a step's start, for the CPU ground truth: the module's tensors (plain tensor
+    attributes too: a cache a module made in the first step is resident in the second), the optimizers'
+    state, the batch, and every other live tensor on the device (``own``, the callback's light copy of a
+    batch, aside)."""
     state = [local_tensor(t) for optimizer in trainer.optimizers for t in optimizer_state_tensors(optimizer)]
-    return [*module_tensors(pl_module), *state, *iter_tensors(batch)]
+    mine = [*module_tensors(pl_module), *state, *iter_tensors(batch)]
+    if trainer.strategy.root_device.type != "cpu":
+        return mine
+    return [*mine, *live_tensors(trainer.strategy.root_device, besides=[*mine, *iter_tensors(own)])]
 
 
 def _max_over_ranks(trainer: pl.Trainer, result: tuple[int, int | None]) -> tuple[int, int | None]:

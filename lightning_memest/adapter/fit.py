@@ -16,15 +16,15 @@ Example (in a callback's ``on_fit_start``, where the module is attached and on i
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import CombinedLoader
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_memest.accounting import PeakProfile, account, capture_filter, peak_profile
 from lightning_memest.accounting.kernels.calibrate import calibrate as calibrate_kernels
@@ -58,6 +58,9 @@ class FitSetup:
     gradient_clip_algorithm: str | None
     step_context: Callable[[], contextlib.AbstractContextManager[object]]
     """The precision plugin's ``train_step_context`` (autocast, or the default dtype of ``*-true``)."""
+    transferred: bool = False
+    """Whether :attr:`batch` is as the step gets it (moved to the device, ``on_after_batch_transfer``
+    applied: a batch from ``on_train_batch_start``), not as the dataloader yields it."""
 
     def runner(self, module: nn.Module, config: StepConfig, listener: StepListener) -> LightningRunner:
         """The engine's runner factory: the fit loop's order of things, for ``module``."""
@@ -72,13 +75,22 @@ class FitSetup:
             gradient_clip_algorithm=self.gradient_clip_algorithm,
             step_context=self.step_context,
             strategy=config.strategy,
+            transferred=self.transferred,
         )
 
     def simulate(
-        self, batch: Any, *, steps: int = 2, flops: bool = True, calibrate: bool = False
+        self,
+        batch: Any,
+        *,
+        steps: int = 2,
+        flops: bool = True,
+        calibrate: bool = False,
+        next_batches: Sequence[Any] = (),
+        residents: Sequence[Tensor] = (),
     ) -> Simulation:
         """Training batches of the module on fake tensors, as this fit runs them (``flops=False``
-        records only what memory needs; ``calibrate`` records what calibration needs)."""
+        records only what memory needs; ``calibrate`` records what calibration needs; ``next_batches``
+        and ``residents`` as in ``engine.simulate``)."""
         return simulate(
             self.module,
             batch,
@@ -87,15 +99,32 @@ class FitSetup:
             device=self.device,
             steps=steps,
             capture=capture_filter(flops=flops, calibrate=calibrate),
+            next_batches=next_batches,
+            residents=residents,
         )
 
-    def estimate(self, *, steps: int = 2, calibrate: bool = False) -> StepEstimate:
-        """The estimate of ``steps`` training batches like :attr:`batch`: the module's own
-        ``training_step`` (automatic or manual optimization), ``configure_optimizers``, precision,
-        accumulation and clipping; with ``calibrate``, the kernels' memory measured on the device
-        the trainer trains on (``accounting.kernels.calibrate``)."""
-        sim = self.simulate(self.batch, steps=steps, calibrate=calibrate)
-        return account(sim, calibration=calibrate_kernels(sim) if calibrate else None)
+    def estimate(
+        self,
+        *,
+        steps: int = 2,
+        calibrate: bool | Literal["cached"] = False,
+        next_batches: Sequence[Any] = (),
+        residents: Sequence[Tensor] = (),
+    ) -> StepEstimate:
+        """The estimate of ``steps`` training batches like :attr:`batch` (then ``next_batches``): the
+        module's own ``training_step`` (automatic or manual optimization), ``configure_optimizers``,
+        precision, accumulation and clipping, with ``residents`` alive beside them; with ``calibrate``,
+        the kernels' memory measured on the device the trainer trains on
+        (``accounting.kernels.calibrate``; ``"cached"``: what the cache knows, nothing run)."""
+        sim = self.simulate(
+            self.batch,
+            steps=steps,
+            calibrate=bool(calibrate),
+            next_batches=next_batches,
+            residents=residents,
+        )
+        calibration = calibrate_kernels(sim, measure=calibrate is True) if calibrate else None
+        return account(sim, calibration=calibration)
 
     def max_batch_size(
         self,
@@ -117,14 +146,17 @@ class FitSetup:
         return search_batch_size(peak_of, budget_bytes, start=old, cap=cap, progress=progress)
 
 
-def fit_setup(trainer: pl.Trainer, module: pl.LightningModule, batch: Any = None) -> FitSetup:
+def fit_setup(
+    trainer: pl.Trainer, module: pl.LightningModule, batch: Any = None, *, transferred: bool = False
+) -> FitSetup:
     """Read what the simulation needs from ``trainer`` and its ``module`` (attached: from ``setup`` on):
     the settings, and a training batch (``batch``, or else the first of the train dataloader, see
-    :func:`first_batch`). An ``EstimationError`` for what it cannot simulate (a precision, a sharded
-    strategy)."""
+    :func:`first_batch`; ``transferred``: ``batch`` is as the step gets it). An ``EstimationError`` for
+    what it cannot simulate (a precision, a sharded strategy)."""
     return FitSetup(
         module=module,
         batch=first_batch(trainer, module) if batch is None else batch,
+        transferred=transferred,
         config=StepConfig(precision=_precision(trainer), strategy=_strategy(trainer)),
         device=trainer.strategy.root_device,
         accumulate_grad_batches=trainer.accumulate_grad_batches,

@@ -67,6 +67,7 @@ class LightningRunner:
         gradient_clip_algorithm: str | None = None,
         step_context: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
         strategy: Strategy | None = None,
+        transferred: bool = False,
     ) -> None:
         self.module = module
         self.listener = listener
@@ -77,6 +78,7 @@ class LightningRunner:
         self.device_type = next((p.device.type for p in module.parameters()), "cpu")
         # The precision plugin's train_step_context (autocast, or the default dtype of *-true).
         self.step_context = step_context or (lambda: autocast(self.device_type, self.precision))
+        self.transferred = transferred  # the batch comes as the step gets it: transfer hooks applied
         self.steps_run = 0
         self._current_phase = Phase.FORWARD
         self._toggled: dict[nn.Parameter, bool] = {}
@@ -200,7 +202,8 @@ class LightningRunner:
         batch_idx = self.steps_run
         module = self.module
         self._phase(Phase.FORWARD)
-        batch = module.on_after_batch_transfer(batch, 0)
+        if not self.transferred:
+            batch = module.on_after_batch_transfer(batch, 0)
         if not module.automatic_optimization:
             with self.step_context():
                 output = self._training_step(batch, batch_idx)

@@ -61,6 +61,8 @@ def footer_items(estimate: StepEstimate) -> list[tuple[str, str]]:
             ),
         ),
     ]
+    if estimate.batch_shapes:
+        items.append(("For batches of shapes", _shapes(estimate.batch_shapes)))
     if estimate.flops is not None:
         f = estimate.flops
         items.append(
@@ -74,6 +76,17 @@ def footer_items(estimate: StepEstimate) -> list[tuple[str, str]]:
             ("Tensor values read (assumed, see MemEstimate.estimate)", str(len(estimate.data_dependent)))
         )
     return items
+
+
+def _shapes(per_step: tuple[tuple[tuple[int, ...], ...], ...]) -> str:
+    """``(8, 3, 224, 224), (8,)``, or per step where the steps' batches differ."""
+
+    def one(shapes: tuple[tuple[int, ...], ...]) -> str:
+        return ", ".join(str(tuple(s)) for s in shapes) or "(no tensors)"
+
+    if all(s == per_step[0] for s in per_step):
+        return one(per_step[0])
+    return "; ".join(f"step {i}: {one(s)}" for i, s in enumerate(per_step, 1))
 
 
 def render_summary(

@@ -84,7 +84,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._mode_utils import no_dispatch
 
-__all__ = ["VALUE_LIMIT", "known_value", "real_path"]
+__all__ = ["VALUE_LIMIT", "KnownValues", "known_value", "real_path"]
 
 #: The most elements a tensor with a known value may have: masks and positions of a batch, not
 #: activations. Larger integer tensors stay fake (their reads go to the policy).
@@ -129,16 +129,17 @@ def known_value(t: Tensor) -> Tensor | None:
 @contextmanager
 def real_path(
     mode: FakeTensorMode, batch: Iterable[tuple[Tensor, Tensor]] = (), *, cpu_allocator: bool = False
-) -> Iterator[None]:
+) -> Iterator[KnownValues]:
     """Inside: the simulation's libraries take a real eager run's code path (see the module docstring).
 
     ``mode`` is the simulation's fake mode; ``batch`` pairs ``(fake, real)`` of the batch's tensors,
     whose integer and boolean values are known to the simulation. With ``cpu_allocator`` (a step
     simulated for the CPU) the copies of the CPU generator's state that a real step makes are fake
     tensors, allocated and freed where the real ones are. On exit transformers' check, torch's RNG
-    functions and ``mode`` are exactly as they were.
+    functions and ``mode`` are exactly as they were. Yields the known values (their ``reads``: how
+    often one decided a read or a size).
     """
-    values = _KnownValues(mode)
+    values = KnownValues(mode)
     for fake, real in batch:
         values.add_batch_tensor(fake, real)
     with ExitStack() as stack:
@@ -147,7 +148,7 @@ def real_path(
             stack.enter_context(_rng_state_copies(mode))
         mode.dispatch = values.dispatch  # type: ignore[method-assign]
         try:
-            yield
+            yield values
         finally:
             del mode.dispatch
 
@@ -214,7 +215,7 @@ def _transformers_sees_real_tensors(mode: FakeTensorMode) -> Iterator[None]:
         setattr(module, "is_fake_tensor", original)  # noqa: B010
 
 
-class _KnownValues:
+class KnownValues:
     """The fake mode's ``dispatch``, wrapped: the fake op runs as before, and values are kept beside it.
 
     An instance attribute in place of the mode's method, rather than a dispatch mode stacked above
@@ -225,6 +226,8 @@ class _KnownValues:
     def __init__(self, mode: FakeTensorMode) -> None:
         self.mode = mode
         self.fake_dispatch = mode.dispatch
+        self.reads = 0
+        """How many times a known value decided something: a scalar read, a data-dependent size."""
         self._copies: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
 
     def add_batch_tensor(self, fake: Tensor, real: Tensor) -> None:
@@ -263,6 +266,7 @@ class _KnownValues:
         if func in _READS and all_known:
             answer = _run_real(func, args, kwargs)
             if answer is not _NO_VALUE:
+                self.reads += 1
                 return answer
         try:
             out = self.fake_dispatch(func, types, args, kwargs)
@@ -272,6 +276,7 @@ class _KnownValues:
             real = _run_real(func, args, kwargs)
             if real is _NO_VALUE or not _all_small(real):
                 raise
+            self.reads += 1
             return self._fake_of(real, _first_fake(args, kwargs))  # the real size
         from_values = all_known or (valued == 0 and _from_constants(func, unvalued))
         if from_values and _all_small(out) and _attach(out, _run_real(func, args, kwargs)):

@@ -26,7 +26,7 @@ from lightning_memest.engine.distributed import (
     strip_fully_shard,
     untracked_sharding_propagation,
 )
-from lightning_memest.engine.events import Event, OpEvent, Role
+from lightning_memest.engine.events import DataDependent, Event, OpEvent, Role
 from lightning_memest.engine.fake import FakeConverter, fake_module, resident_tensors
 from lightning_memest.engine.hooks import module_scopes, saved_tensor_tags, storage_resizes
 from lightning_memest.engine.real_path import real_path
@@ -81,6 +81,9 @@ class Simulation:
     """The model's module tree."""
     batch_shapes: tuple[tuple[tuple[int, ...], ...], ...]
     """Per simulated step, the shapes of its batch's tensors."""
+    value_reads: int
+    """How often the step's code read tensor values (known ones, or assumed by the data-dependent
+    policy): where it did, a batch with other values may need another memory."""
     what_if: str | None = None
     """``"cuda"`` when CUDA was asked for on a machine without one: the step ran on fake CPU tensors
     with CUDA's optimizer defaults, and the accounting treats it as CUDA (approximate)."""
@@ -152,7 +155,9 @@ def simulate(
         fake_batch = fakes[0]
         # Libraries take the real eager run's code path: see engine.real_path.
         known = [(converter.tensor(t), t) for b in batches for t in iter_tensors(b)]
-        stack.enter_context(real_path(mode, known, cpu_allocator=target.type == "cpu" and what_if is None))
+        values = stack.enter_context(
+            real_path(mode, known, cpu_allocator=target.type == "cpu" and what_if is None)
+        )
         for t, role, path in _residents(model, fake_batch):
             tracker.add_resident(t, role, path)
         for t in residents:
@@ -171,7 +176,8 @@ def simulate(
             step = runner(model, config, tracker)
             if strategy is not None:
                 # FSDP replaced the parameters by their shards: those are what this rank holds.
-                tracker.settle_residents(_residents(model, fake_batch))
+                others = [(t, Role.OTHER, "") for t in residents]
+                tracker.settle_residents([*_residents(model, fake_batch), *others])
             current = fake_batch
             for i in range(steps):
                 following = fakes[min(i, len(fakes) - 1)]
@@ -192,7 +198,8 @@ def simulate(
     shapes = tuple(
         tuple(tuple(t.shape) for t in iter_tensors(batches[min(i, len(batches) - 1)])) for i in range(steps)
     )
-    return Simulation(tracker.events, target, steps, seconds, precision, modules, shapes, what_if)
+    reads = values.reads + sum(1 for e in tracker.events if type(e) is DataDependent)
+    return Simulation(tracker.events, target, steps, seconds, precision, modules, shapes, reads, what_if)
 
 
 def _target_device(model: nn.Module, device: str | torch.device | None) -> tuple[torch.device, str | None]:

@@ -468,13 +468,17 @@ def _distinct_calls(sim: Simulation) -> dict[str, OpCall]:
     return calls
 
 
-def calibrate(sim: Simulation, *, cache_dir: Path | str | bool | None = True) -> Calibration:
+def calibrate(
+    sim: Simulation, *, cache_dir: Path | str | bool | None = True, measure: bool = True
+) -> Calibration:
     """Measure the kernel memory of every distinct op signature of ``sim`` on its device (the CPU, or
     this machine's GPU), from the cache where it has the answer.
 
     ``sim`` must have been simulated with ``capture_filter(..., calibrate=True)`` (so that every op's
     call was recorded) on a device that is present: a what-if cannot be calibrated. ``cache_dir``:
     ``True`` for :func:`default_cache_dir`, a directory, or ``None``/``False`` for no disk cache.
+    ``measure=False`` answers from the cache only (when nothing may run: a CPU profiler of the caller's
+    is measuring); the rest keeps its hand models.
     """
     if sim.what_if is not None:
         raise ValueError(f"a {sim.what_if} what-if ran on another device: there is nothing to calibrate")
@@ -493,8 +497,8 @@ def calibrate(sim: Simulation, *, cache_dir: Path | str | bool | None = True) ->
         if device.type == "cuda"
         else None
     )
-    runnable = {k: c for k, c in todo.items() if _fits(c, available)}
-    failed = {str(c.op) for k, c in todo.items() if k not in runnable}
+    runnable = {k: c for k, c in todo.items() if measure and _fits(c, available)}
+    failed = {str(c.op) for k, c in todo.items() if k not in runnable} if measure else set()
     measured: dict[str, _Stored] = {}
     guard = _Guard()
     for key, call in calls.items():  # placeholders the hand models know of; sizes the cache knows

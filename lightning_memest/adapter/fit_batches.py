@@ -1,0 +1,199 @@
+"""The training batches of a fit, as ``MemEstimate`` follows them: estimated from the batches training
+really gets -- never one pulled from the loader, so the data stream is left as it is.
+
+* The first batch, in hand at the first ``on_train_batch_start`` (or a batch the user gives up front):
+  steps 1 and 2 on it.
+* The second: where it differs from the first -- in shapes, or, when the step's code read tensor
+  values, in the values of its small integer and boolean tensors (the lengths of a packed batch, a
+  padding mask) -- steps 1 and 2 again on the two batches as they came: what step 2 really runs on.
+* Later batches: one larger than any estimated so far in some dimension (dynamic padding: a longer
+  sequence) is estimated before its step runs, once per batch shape.
+
+What else lives on the device counts too (``Role.OTHER``): on CUDA the allocator's bytes at the batch's
+start that are not the module's, its optimizer's or the batch's; on the CPU every live tensor besides
+those, found by a scan of the garbage collector (another callback's copy of the weights, metric states,
+a dataset held in memory, the loader's prefetched batch). The measured steps count the same way.
+
+Example (in a callback)::
+
+    batches = FitBatches(calibrate=True)
+    estimate = batches.estimate_first(trainer, pl_module, batch)  # at the first on_train_batch_start
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor
+
+from lightning_memest.adapter.fit import FitSetup, fit_setup
+from lightning_memest.batches import iter_tensors, map_tensors
+from lightning_memest.engine.fake import local_tensor
+from lightning_memest.engine.real_path import VALUE_LIMIT
+from lightning_memest.engine.step import optimizer_state_tensors
+from lightning_memest.measure import live_tensors, module_tensors, resident_bytes
+from lightning_memest.report import StepEstimate
+
+__all__ = ["FitBatches", "batch_signature", "light_copy", "resident_besides"]
+
+#: A batch's tensors' shapes and dtypes, in order: what decides its memory (with its values, where read).
+Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
+
+
+def batch_signature(batch: Any) -> Signature:
+    """The shapes and dtypes of ``batch``'s tensors, in order.
+
+    >>> batch_signature({"ids": torch.zeros(2, 5, dtype=torch.long)})
+    (((2, 5), torch.int64),)
+    """
+    return tuple((tuple(t.shape), t.dtype) for t in iter_tensors(batch))
+
+
+def _valued(t: Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex()) and t.numel() <= VALUE_LIMIT
+
+
+def light_copy(batch: Any) -> Any:
+    """``batch`` without its memory: small integer and boolean tensors copied to the CPU (the values a
+    step may read), the others as meta tensors (shapes only)."""
+
+    def light(t: Tensor) -> Tensor:
+        if _valued(t) and not t.is_meta:
+            return t.detach().to("cpu", copy=True)
+        return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
+
+    return map_tensors(batch, light)
+
+
+def _same_values(a: Any, b: Any) -> bool:
+    """Whether the small integer and boolean tensors of two batches of one signature hold the same values."""
+    for x, y in zip(iter_tensors(a), iter_tensors(b), strict=True):
+        if (
+            _valued(x)
+            and _valued(y)
+            and not x.is_meta
+            and not y.is_meta
+            and not torch.equal(x.cpu(), y.cpu())
+        ):
+            return False
+    return True
+
+
+def resident_besides(
+    trainer: pl.Trainer, module: pl.LightningModule, batch: Any, own: Any = ()
+) -> list[Tensor]:
+    """What lives on the training device besides the module's tensors, its optimizers' state and
+    ``batch`` (and ``own``: tensors of the caller's): on CUDA, one meta tensor the size of the
+    allocator's other bytes; on the CPU, the other live tensors."""
+    device = trainer.strategy.root_device
+    known = [
+        *module_tensors(module),
+        *(local_tensor(t) for optimizer in trainer.optimizers for t in optimizer_state_tensors(optimizer)),
+        *iter_tensors(batch),
+        *iter_tensors(own),
+    ]
+    if device.type == "cuda":
+        mine = resident_bytes(t for t in known if t.device == device)
+        other = torch.cuda.memory_allocated(device) - mine
+        return [torch.empty(other, dtype=torch.uint8, device="meta")] if other > 0 else []
+    return live_tensors(device, besides=known)
+
+
+class FitBatches:
+    """The estimates of one fit's training batches (see the module docstring)."""
+
+    def __init__(self, calibrate: bool) -> None:
+        self.calibrate = calibrate
+        self.first: Any = None
+        """The first batch's light copy (:func:`light_copy`), once estimated."""
+        self.reads_values = False
+        self._largest: list[tuple[int, ...]] | None = None
+        self._estimated: dict[Signature, StepEstimate] = {}
+
+    def _fit(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, given: bool) -> FitSetup:
+        return fit_setup(trainer, module, batch, transferred=not given)
+
+    def _calibration(self, measuring: bool) -> bool | Literal["cached"]:
+        # While the CPU profiler measures a step, calibration may not run a profiler of its own.
+        if not self.calibrate:
+            return False
+        return "cached" if measuring else True
+
+    def estimate_first(
+        self,
+        trainer: pl.Trainer,
+        module: pl.LightningModule,
+        batch: Any,
+        *,
+        given: bool = False,
+        measuring: bool = False,
+    ) -> StepEstimate:
+        """Steps 1 and 2 on ``batch``: the batch in hand at the first ``on_train_batch_start``, or one
+        the user gave (``given``: as the dataloader would yield it)."""
+        fit = self._fit(trainer, module, batch, given)
+        residents = resident_besides(trainer, module, batch)
+        estimate = fit.estimate(steps=2, calibrate=self._calibration(measuring), residents=residents)
+        self.first = light_copy(batch)
+        self.reads_values = estimate.reads_values
+        self._note(batch, estimate)
+        return estimate
+
+    def estimate_second(
+        self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, *, measuring: bool
+    ) -> StepEstimate | None:
+        """Steps 1 and 2 on the first batch and ``batch``, where ``batch`` needs other memory than the
+        first (other shapes, or other values the step reads); ``None`` where it does not."""
+        first = self.first
+        if first is None:
+            return None
+        if batch_signature(batch) == batch_signature(first) and (
+            not self.reads_values or _same_values(first, batch)
+        ):
+            return None
+        fit = self._fit(trainer, module, first, False)  # (a copy of the batch in hand: transferred)
+        residents = resident_besides(trainer, module, batch, own=first)
+        estimate = fit.estimate(
+            steps=2, calibrate=self._calibration(measuring), next_batches=[batch], residents=residents
+        )
+        self._note(batch, estimate)
+        return estimate
+
+    def estimate_if_larger(
+        self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any
+    ) -> StepEstimate | None:
+        """The estimate of ``batch`` (its steady state is the last peak) where it is larger than any batch
+        estimated so far in some dimension; ``None`` where it is not, or was estimated before."""
+        signature = batch_signature(batch)
+        largest = self._largest
+        if signature in self._estimated or largest is None or len(largest) != len(signature):
+            return None
+        if all(
+            len(shape) == len(top) and all(s <= t for s, t in zip(shape, top, strict=True))
+            for (shape, _), top in zip(signature, largest, strict=True)
+        ):
+            return None
+        fit = self._fit(trainer, module, batch, False)
+        estimate = fit.estimate(
+            steps=2, calibrate=self._calibration(False), residents=resident_besides(trainer, module, batch)
+        )
+        self._note(batch, estimate)
+        return estimate
+
+    def _note(self, batch: Any, estimate: StepEstimate) -> None:
+        signature = batch_signature(batch)
+        self._estimated[signature] = estimate
+        shapes = [shape for shape, _ in signature]
+        if self._largest is None or len(self._largest) != len(shapes):
+            self._largest = shapes
+            return
+        self._largest = [
+            tuple(max(a, b) for a, b in zip(top, shape, strict=True)) if len(top) == len(shape) else shape
+            for top, shape in zip(self._largest, shapes, strict=True)
+        ]
+
+    def shapes(self) -> Sequence[tuple[int, ...]]:
+        """The largest shape estimated so far of each of the batch's tensors."""
+        return list(self._largest or ())

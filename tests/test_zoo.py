@@ -1,0 +1,446 @@
+"""MemEstimate on the realistic modules of ``tests/zoo.py`` (issue 13, item 6), against an independent probe.
+
+For each module two seeded fits run, ``max_steps`` optimizer steps each: one without ``MemEstimate``
+and one with ``MemEstimate(check=False)`` (its own CPU measurement off, so that only one profiler
+runs). The second carries :class:`AllocatorProbe`, the ground truth here, written apart from
+``lightning_memest``'s measuring code (the first carries it too with ``MEMEST_ZOO_PROBE_BOTH=1``, to
+see whether the callback changed the real run's memory; profiling costs time). Around each of the
+first two training batches (``on_train_batch_start`` to ``on_train_batch_end``, the optimizer step
+included) a ``torch.profiler`` with ``profile_memory=True`` records the CPU allocator's events; a
+batch's peak is what was resident when it started -- every distinct storage, counted once, of every
+live CPU tensor (a scan of the garbage collector's objects: the module's parameters, buffers and
+gradients, the optimizers' state, the batch, and what else sits there: an EMA copy, metric states, a
+tensor kept on the module with the graph behind it, the dataset), but what the estimator itself holds
+-- plus the largest rise of the allocator's running sum inside the batch.
+
+Targets (issue 13): the estimate exists (no "MemEstimate: ... failed" warning); |error| <= 1 % on both
+batches against the probe of the same fit; weights bitwise equal with and without the callback; no batch
+drawn that training does not draw (the dataset's reads and iterators counted).
+
+Set ``MEMEST_ZOO_REPORT=path.jsonl`` to have each case append its figures as one JSON line.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+import types
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.profiler import ProfilerActivity, profile
+from torch.utils.data import DataLoader, Dataset
+from zoo import CASES, ZooCase
+
+from lightning_memest import MemEstimate
+
+TOLERANCE_PCT = 1.0
+PROBED_BATCHES = 2
+
+
+# --- the ground truth --------------------------------------------------------------------------------------
+class _Storages:
+    """Distinct storages of real tensors, each counted once (by data pointer and size)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[tuple[int, int], int] = {}
+
+    def add(self, t: Tensor) -> None:
+        if t.device.type == "meta" or t.is_meta:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without a real storage
+            return
+        key = (storage.data_ptr(), storage.nbytes())
+        if key[0] and key[1]:
+            self.keys[key] = key[1]
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.keys.values())
+
+
+_SKIP = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    pl.Trainer,
+    pl.LightningDataModule,
+    Dataset,
+    DataLoader,
+    torch.optim.Optimizer,  # counted through trainer.optimizers
+    torch.Generator,
+    str,
+    bytes,
+    int,
+    float,
+    bool,
+)
+
+
+def _reachable_tensors(roots: Iterable[Any], max_depth: int = 12) -> Iterator[Tensor]:
+    """Every tensor reachable from ``roots`` through attributes, containers and autograd graphs
+    (the saved tensors of the graph behind a non-leaf tensor); datasets, loaders, the trainer and
+    optimizers are not followed."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, int]] = [(r, 0) for r in roots]
+    while stack:
+        obj, depth = stack.pop()
+        if id(obj) in seen or depth > max_depth or obj is None or isinstance(obj, _SKIP):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, Tensor):
+            yield obj
+            if obj.is_leaf:
+                if obj.grad is not None:
+                    yield obj.grad
+            elif obj.grad_fn is not None:
+                stack.append((obj.grad_fn, depth + 1))
+            continue
+        if type(obj).__module__ == "torch.autograd.graph" or hasattr(obj, "next_functions"):
+            # an autograd node: its saved tensors, then the nodes it feeds from
+            for name in dir(obj):
+                if name.startswith("_saved_"):
+                    try:
+                        value = getattr(obj, name)
+                    except RuntimeError:  # freed by a backward
+                        continue
+                    stack.append((value, depth + 1))
+            for nxt, _ in getattr(obj, "next_functions", ()):
+                if nxt is not None:
+                    stack.append((nxt, depth + 1))
+            variable = getattr(obj, "variable", None)  # AccumulateGrad: the leaf
+            if variable is not None:
+                stack.append((variable, depth + 1))
+            continue
+        if isinstance(obj, dict):
+            stack.extend((v, depth + 1) for v in obj.values())
+        elif isinstance(obj, list | tuple | set | frozenset):
+            stack.extend((v, depth + 1) for v in obj)
+        else:
+            attrs = getattr(obj, "__dict__", None)
+            if isinstance(attrs, dict):
+                stack.extend((v, depth + 1) for v in attrs.values())
+
+
+def _live_cpu_tensors() -> list[Tensor]:
+    """Every live CPU tensor with real memory (fake and meta ones have none)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # isinstance on some deprecated torch objects warns
+        found = [o for o in gc.get_objects() if isinstance(o, Tensor)]
+    return [t for t in found if not isinstance(t, FakeTensor) and t.device.type == "cpu"]
+
+
+def _optimizer_state(trainer: pl.Trainer) -> Iterator[Tensor]:
+    for optimizer in trainer.optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, Tensor):
+                    yield value
+
+
+def _batch_tensors(batch: Any) -> Iterator[Tensor]:
+    if isinstance(batch, Tensor):
+        yield batch
+    elif isinstance(batch, dict) or hasattr(batch, "items"):
+        for value in batch.values():
+            yield from _batch_tensors(value)
+    elif isinstance(batch, list | tuple):
+        for value in batch:
+            yield from _batch_tensors(value)
+
+
+@dataclass
+class ProbedBatch:
+    resident: int
+    """Bytes resident at the batch's start: the module's parameters, buffers and gradients, the
+    optimizer state, the batch, and what the module and the callbacks hold besides."""
+    held_elsewhere: int
+    """The part of ``resident`` that is not parameters, buffers, gradients, optimizer state or batch."""
+    rise: int
+    """The largest rise of the allocator's running sum inside the batch."""
+
+    @property
+    def peak(self) -> int:
+        return self.resident + self.rise
+
+
+class AllocatorProbe(Callback):
+    """The CPU ground truth of the first training batches of a fit (independent of lightning_memest)."""
+
+    def __init__(self, batches: int = PROBED_BATCHES) -> None:
+        self.batches = batches
+        self.probed: list[ProbedBatch] = []
+        self._profile: profile | None = None
+        self._gc_was_enabled = False
+        self._resident = (0, 0)
+
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._profile is not None or len(self.probed) >= self.batches:
+            return
+        gc.collect()
+        core = _Storages()
+        for t in [*pl_module.parameters(), *pl_module.buffers()]:
+            core.add(t)
+            if t.grad is not None:
+                core.add(t.grad)
+        for t in [*_optimizer_state(trainer), *_batch_tensors(batch)]:
+            core.add(t)
+        # Everything else alive on the CPU: another callback's copy of the weights, metric states, the
+        # dataset, a prefetched batch -- every live tensor (a scan of the garbage collector's objects),
+        # but those the estimator itself holds (its bookkeeping is not the user's training).
+        estimators = _Storages()
+        for t in _reachable_tensors([c for c in trainer.callbacks if isinstance(c, MemEstimate)]):
+            estimators.add(t)
+        everything = _Storages()
+        for t in _live_cpu_tensors():
+            everything.add(t)
+        for key in estimators.keys:
+            everything.keys.pop(key, None)
+        everything.keys.update(core.keys)
+        self._resident = (everything.bytes, everything.bytes - core.bytes)
+        # no collection inside the window: a collected object of an earlier profile corrupts the sum
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
+        prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        try:
+            prof.__enter__()
+        except BaseException:
+            if self._gc_was_enabled:
+                gc.enable()
+            raise
+        self._profile = prof
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._close(record=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._close(record=False)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        self._close(record=False)
+
+    def _close(self, record: bool) -> None:
+        prof, self._profile = self._profile, None
+        if prof is None:
+            return
+        try:
+            prof.__exit__(None, None, None)
+            if record:
+                assert prof.profiler is not None and prof.profiler.kineto_results is not None
+                # stable: events of one nanosecond keep the profiler's order
+                memory = sorted(
+                    (
+                        (e.start_ns(), e.nbytes())
+                        for e in prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]"
+                    ),
+                    key=lambda x: x[0],
+                )
+                held = rise = 0
+                for _, nbytes in memory:
+                    held += nbytes
+                    rise = max(rise, held)
+                self.probed.append(ProbedBatch(*self._resident, rise))
+        finally:
+            if self._gc_was_enabled:
+                gc.enable()
+
+
+# --- one fit ------------------------------------------------------------------------------------------------
+@dataclass
+class FitResult:
+    weights: dict[str, Tensor]
+    reads: int
+    iters: int
+    probed: list[ProbedBatch]
+    seconds: float
+    memest_warnings: list[str]
+    error: str | None = None
+
+
+def _fit(case: ZooCase, memest: MemEstimate | None, probed: bool = True) -> FitResult:
+    seed_env = os.environ.get("PL_GLOBAL_SEED")
+    try:
+        return _seeded_fit(case, memest, probed)
+    finally:  # seed_everything leaves its seed in the environment, for the tests that run after
+        if seed_env is None:
+            os.environ.pop("PL_GLOBAL_SEED", None)
+        else:
+            os.environ["PL_GLOBAL_SEED"] = seed_env
+
+
+def _seeded_fit(case: ZooCase, memest: MemEstimate | None, probed: bool) -> FitResult:
+    pl.seed_everything(0, verbose=False)
+    built = case.build()
+    probe = AllocatorProbe()
+    callbacks: list[Callback] = [*built.callbacks, *([memest] if memest is not None else [])]
+    if probed:
+        callbacks.append(probe)
+    trainer = pl.Trainer(
+        max_steps=case.max_steps,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    error = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = time.perf_counter()
+        try:
+            trainer.fit(built.module, datamodule=built.datamodule)
+        except Exception as exc:  # reported, not raised: the other figures still tell something
+            error = f"{type(exc).__name__}: {exc}"
+        seconds = time.perf_counter() - start
+    weights = {k: v.detach().clone() for k, v in built.module.state_dict().items()}
+    messages = [str(w.message) for w in caught if str(w.message).startswith("MemEstimate")]
+    return FitResult(weights, built.data.reads, built.data.iters, probe.probed, seconds, messages, error)
+
+
+@dataclass
+class Row:
+    case: str
+    estimated: list[int] = field(default_factory=list)
+    measured: list[int] = field(default_factory=list)
+    measured_without: list[int] = field(default_factory=list)
+    held_elsewhere: list[int] = field(default_factory=list)
+    error_pct: list[float] = field(default_factory=list)
+    weights_equal: bool = False
+    weights_differing: int = 0
+    extra_reads: int = 0
+    extra_iters: int = 0
+    warning: str = ""
+    fit_error: str = ""
+    seconds_without: float = 0.0
+    seconds_with: float = 0.0
+    estimate_seconds: float | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def _report(row: Row) -> None:
+    path = os.environ.get("MEMEST_ZOO_REPORT")
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(asdict(row)) + "\n")
+
+
+def _differing(weights: dict[str, Tensor], other: dict[str, Tensor]) -> int:
+    return sum(1 for k, v in weights.items() if k not in other or not torch.equal(v, other[k]))
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_zoo(case: ZooCase) -> None:
+    without = _fit(case, None, probed=os.environ.get("MEMEST_ZOO_PROBE_BOTH") == "1")
+    assert without.error is None, f"the plain fit failed: {without.error}"
+    memest = MemEstimate(check=False)
+    with_ = _fit(case, memest)
+    assert len(with_.probed) == PROBED_BATCHES or with_.error is not None
+
+    row = Row(case.name, seconds_without=without.seconds, seconds_with=with_.seconds)
+    row.measured_without = [p.peak for p in without.probed]
+    row.measured = [p.peak for p in with_.probed]
+    row.held_elsewhere = [p.held_elsewhere for p in with_.probed]
+    row.warning = " | ".join(with_.memest_warnings)
+    row.fit_error = with_.error or ""
+    if with_.error is not None:
+        row.problems.append(f"fit with MemEstimate raised {with_.error}")
+    if memest.estimate is None:
+        row.problems.append(f"no estimate ({row.warning or 'no warning'})")
+    else:
+        row.estimate_seconds = memest.setup_seconds
+        row.estimated = [p.bytes for p in memest.estimate.peaks]
+        for i, (est, meas) in enumerate(zip(row.estimated, row.measured, strict=False)):
+            err = 100.0 * (est - meas) / meas
+            row.error_pct.append(err)
+            if abs(err) > TOLERANCE_PCT:
+                row.problems.append(f"batch {i + 1}: estimated {est:,} B, measured {meas:,} B ({err:+.2f} %)")
+    if with_.memest_warnings and memest.estimate is not None:
+        row.problems.append(f"warned: {row.warning}")
+    row.weights_differing = _differing(without.weights, with_.weights)
+    row.weights_equal = row.weights_differing == 0 and without.weights.keys() == with_.weights.keys()
+    if not row.weights_equal:
+        row.problems.append(f"{row.weights_differing} of {len(without.weights)} tensors differ after fit")
+    row.extra_reads = with_.reads - without.reads
+    row.extra_iters = with_.iters - without.iters
+    if row.extra_reads or row.extra_iters:
+        row.problems.append(
+            f"the dataset was read {with_.reads} times ({without.reads} without), iterated {with_.iters} "
+            f"times ({without.iters} without)"
+        )
+    _report(row)
+    assert not row.problems, "; ".join(row.problems)
+
+
+# --- the probe itself ---------------------------------------------------------------------------------------
+class _Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(256, 256, bias=False)
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        return self.layer(batch).sum()  # type: ignore[no-any-return]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(torch.randn(8, 256), batch_size=4)  # type: ignore[arg-type]
+
+
+def test_probe_hand_computed() -> None:
+    """The probe on a bias-free Linear(256, 256), batch 4 x 256, plain SGD, against a hand count.
+
+    Batch 1: resident = weight (262,144 B) + batch (4,096 B), and held elsewhere the dataset (8,192 B)
+    with at most a few Lightning/torch scalars; inside it the output (4,096 B) and the weight's
+    gradient (262,144 B) are alive together, with a few scalars (the loss, the seed of its gradient).
+    Batch 2 starts with batch 1's gradient resident as well; ``zero_grad`` frees it before backward
+    makes the next one, so both batches peak alike.
+    """
+    probe = AllocatorProbe()
+    trainer = pl.Trainer(
+        max_steps=2,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[probe],
+    )
+    trainer.fit(_Tiny())
+    first, second = probe.probed
+    weight, batch, dataset = 256 * 256 * 4, 4 * 256 * 4, 8 * 256 * 4
+    assert first.resident - first.held_elsewhere == weight + batch
+    assert second.resident - second.held_elsewhere == 2 * weight + batch
+    assert dataset <= first.held_elsewhere <= dataset + 1024
+    assert dataset <= second.held_elsewhere <= dataset + 1024
+    scalars = first.rise - (batch + weight)
+    assert 0 <= scalars <= 64
+    assert (
+        first.peak - first.held_elsewhere
+        == second.peak - second.held_elsewhere
+        == 2 * (weight + batch) + scalars
+    )
