@@ -327,7 +327,8 @@ def test_each_step_its_own_batch_against_the_real_steps() -> None:
     class Tagger(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.embed, self.rnn, self.head = nn.Embedding(100, 32), nn.GRU(32, 64, batch_first=True), nn.Linear(64, 5)
+            self.embed, self.head = nn.Embedding(100, 32), nn.Linear(64, 5)
+            self.rnn = nn.GRU(32, 64, batch_first=True)
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             return self.head(self.rnn(self.embed(ids))[0])  # type: ignore[no-any-return]
