@@ -5,10 +5,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_memest.accounting.kernels import CPU_KERNELS, KernelMemory, OpCall, TensorMeta, kernel_memory
+from lightning_memest.accounting.kernels import (
+    CPU_KERNELS,
+    KernelMemory,
+    OpCall,
+    TensorMeta,
+    cpu,
+    kernel_memory,
+)
 from lightning_memest.registry import OpRegistry
 
 aten = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def _no_native_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hand-computed cases below were measured on an AVX-512 Xeon without native bf16: pin that
+    instruction set whatever this machine is; tests of another one set it themselves."""
+    monkeypatch.setenv(cpu.ISA_ENV, cpu.AVX512)
+
+
+def native(monkeypatch: pytest.MonkeyPatch, threads: int = 2) -> None:
+    """Model an AVX-512 CPU with native bf16 (the AMD EPYC the new cases were measured on) at ``threads``."""
+    monkeypatch.setenv(cpu.ISA_ENV, cpu.AVX512_BF16)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
 
 
 def meta(
@@ -559,3 +579,275 @@ def test_convolution_backward_downsampling_holds_input_minus_grad_output(
         ws(convb(meta(2, 256, 14, 14), meta(2, 128, 28, 28), meta(256, 128, 3, 3), 2, 0, mask=mask))
         == 1_204_224
     )
+
+
+# ------------------------------------------------------------------------------- instruction sets
+
+
+@pytest.mark.parametrize(
+    ("capability", "flags", "cap", "expected"),
+    [
+        ("AVX512", ("avx512_vnni",), None, cpu.AVX512),  # the Xeon the first models were fitted on
+        ("AVX512", ("avx512_bf16", "avx512_vnni"), None, cpu.AVX512_BF16),  # the AMD EPYC
+        ("AVX512", ("avx512_bf16", "avx512_vnni"), "AVX512_CORE_VNNI", cpu.AVX512),  # oneDNN capped
+        ("AVX512", ("avx512_bf16", "amx_bf16", "amx_tile"), None, cpu.AMX),
+        ("AVX512", ("avx512_bf16", "amx_bf16", "amx_tile"), "AVX512_CORE_BF16", cpu.AVX512_BF16),
+        ("AVX2", ("avx_vnni",), None, cpu.OTHER),
+        ("AVX512", ("avx512_bf16",), "AVX2", cpu.OTHER),
+    ],
+)
+def test_isa_from_capability_flags_and_onednn_cap(
+    monkeypatch: pytest.MonkeyPatch, capability: str, flags: tuple[str, ...], cap: str | None, expected: str
+) -> None:
+    monkeypatch.delenv(cpu.ISA_ENV)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    if cap is None:
+        monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    else:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    cpu._machine_isa.cache_clear()
+    try:
+        assert cpu.isa() == expected
+        assert cpu.native_bf16() == (expected in (cpu.AVX512_BF16, cpu.AMX))
+    finally:
+        cpu._machine_isa.cache_clear()
+
+
+def test_isa_override(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(cpu.ISA_ENV, cpu.AVX512_BF16)
+    assert cpu.isa() == cpu.AVX512_BF16 and cpu.native_bf16()
+    monkeypatch.setenv(cpu.ISA_ENV, "sse2")
+    with pytest.raises(ValueError, match="MEMEST_CPU_ISA must be one of"):
+        cpu.isa()
+
+
+# ------------------------------------------------------------------- native bf16 (AMD EPYC, 2 threads)
+
+BF = torch.bfloat16
+
+
+def test_native_bf16_matmul_brgemm_scratch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A linear 256 -> 1024 on 512 rows (TinyGPT's MLP): forward addmm x @ W^T, backward grad @ W and
+    # grad^T @ x. Per thread a float32 C block (M_blk x 64), B in VNNI blocks (K_blk x 64), and for the
+    # transposed A (the weight gradient) A copied (M_blk x lda); + 1,664 (+ 128). All measured exactly.
+    native(monkeypatch)
+    x, w, g = meta(512, 256, dtype=BF), meta(1024, 256, dtype=BF), meta(512, 1024, dtype=BF)
+    wt = meta(256, 1024, dtype=BF, stride=(1, 256))
+    fwd = call(aten.addmm.default, meta(1024, dtype=BF), x, wt, outputs=(g,))
+    assert ws(fwd) == 2 * (256 * 64 * 4 + 256 * 64 * 2) + 1664 == 198_272
+    assert (
+        ws(call(aten.mm.default, g, w, outputs=(x,))) == 2 * (256 * 64 * 4 + 512 * 64 * 2) + 1664 == 263_808
+    )
+    gt = meta(1024, 512, dtype=BF, stride=(1, 1024))
+    lda = 512 + 32  # a power of two >= 512 is padded by a cache line
+    expected = 2 * 256 * lda * 2 + 2 * (256 * 64 * 4 + 512 * 64 * 2) + 128 + 1664
+    assert ws(call(aten.mm.default, gt, x, outputs=(w,))) == expected == 820_992
+    # TinyGPT's head weight gradient, (1000 x 512)^T-stored @ (512 x 256): M = 1000 in four blocks of 250
+    # (measured 804,864).
+    head_t = meta(1000, 512, dtype=BF, stride=(1, 1000))
+    head = call(aten.mm.default, head_t, meta(512, 256, dtype=BF), outputs=(meta(1000, 256, dtype=BF),))
+    assert ws(head) == 2 * 250 * 544 * 2 + 2 * (250 * 64 * 4 + 512 * 64 * 2) + 128 + 1664 == 804_864
+    # f32 and f16 matmuls hold nothing; bf16 without native bf16 keeps the float32 copy of the result.
+    assert ws(call(aten.mm.default, meta(512, 1024), meta(1024, 256), outputs=(meta(512, 256),))) == 0
+    monkeypatch.setenv(cpu.ISA_ENV, cpu.AVX512)
+    assert ws(call(aten.mm.default, g, w, outputs=(x,))) == 512 * 256 * 4 + 128
+
+
+def test_native_bf16_bmm(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (16, 128, 64) @ (16, 64, 128) and its grad-input product: one scratchpad for the batch (measured
+    # 83,584 and 99,968); without native bf16 nothing is measured beyond the output.
+    native(monkeypatch)
+    a, b = meta(16, 128, 64, dtype=BF), meta(16, 64, 128, dtype=BF)
+    assert ws(call(aten.bmm.default, a, b, outputs=(meta(16, 128, 128, dtype=BF),))) == 83_584
+    g, bt = meta(16, 128, 128, dtype=BF), meta(16, 128, 64, dtype=BF, stride=(8192, 1, 128))
+    assert ws(call(aten.bmm.default, g, bt, outputs=(a,))) == 99_968
+    monkeypatch.setenv(cpu.ISA_ENV, cpu.AVX512)
+    assert ws(call(aten.bmm.default, a, b, outputs=(meta(16, 128, 128, dtype=BF),))) == 0
+
+
+def lstm_bwd(t: int, n: int, i: int, h: int, dtype: torch.dtype) -> OpCall:
+    hx, y, x = meta(n, h, dtype=dtype), meta(t, n, h, dtype=dtype), meta(t, n, i, dtype=dtype)
+    w1, w2, b = meta(4 * h, i, dtype=dtype), meta(4 * h, h, dtype=dtype), meta(4 * h, dtype=dtype)
+    f = torch.float32  # the meta kernel's gradients are float32 for bf16 too
+    outs = (meta(t, n, i, dtype=f), meta(4 * h, i, dtype=f), meta(4 * h, h, dtype=f), meta(4 * h, dtype=f))
+    outs += (meta(4 * h, dtype=f), meta(n, h, dtype=f), meta(n, h, dtype=f))
+    args = (x, w1, w2, b, b, hx, hx, y, hx, hx, y, None, None, False, 2, h, 1, True, True, False, [], False)
+    return call(aten.mkldnn_rnn_layer_backward.default, *args, meta(0, dtype=torch.uint8), outputs=outs)
+
+
+def lstm_fwd_dtype(t: int, n: int, i: int, h: int, dtype: torch.dtype) -> OpCall:
+    c = lstm_fwd(t, n, i, h)
+    cast = tuple(meta(*a.shape, dtype=dtype) if isinstance(a, TensorMeta) else a for a in c.args)
+    outs = tuple(meta(*o.shape, dtype=dtype) if o is not None and o.numel else o for o in c.outputs)
+    return OpCall(c.op, cast, {}, outs, "cpu")
+
+
+def test_native_bf16_lstm(monkeypatch: pytest.MonkeyPatch) -> None:
+    native(monkeypatch)
+    # Forward, T=32, N=4, 128 -> 512: summed bias + plain bf16 weights (I x 4H, H x 4H) + a scratchpad
+    # of 17,224 + 22 N H: measured 2,687,816; the workspace output as without native bf16 (2,895,872).
+    km = kernel_memory(lstm_fwd_dtype(32, 4, 128, 512, BF))
+    assert km is not None and km.extra_output_bytes == (0, 0, 0, 2_895_872)
+    assert km.workspace_bytes == 4096 + (128 + 512) * 2048 * 2 + 17224 + 22 * 4 * 512 == 2_687_816
+    # Backward: the state zeros and summed bias (bf16), float32 copies of the output gradient and state
+    # gradients, the plain bf16 weights, float32 diff weights in ldigo (good_ld(4H) = 2064), the diff
+    # bias and a T-independent scratchpad; the bias-gradient clone comes after (measured 8,248,248).
+    expected = 3 * 4096 + 32 * 4 * 512 * 4 + 2 * 4 * 512 * 4 + 640 * 2048 * 2 + 640 * 2064 * 4
+    expected += 16824 + 67 * 4 * 512 // 4 + 8 * 128
+    assert ws(lstm_bwd(32, 4, 128, 512, BF)) == expected == 8_248_248
+    assert ws(lstm_bwd(128, 4, 256, 512, BF)) == 10_616_760  # the LSTM LM's first layer, measured
+    # Without native bf16 the Xeon's fit holds (the LM's layer: 12,980,776 measured there).
+    monkeypatch.setenv(cpu.ISA_ENV, cpu.AVX512)
+    assert ws(lstm_bwd(128, 4, 256, 512, BF)) == 12_980_776
+
+
+@pytest.mark.parametrize("isa", [cpu.AVX512, cpu.AVX512_BF16])
+def test_lstm_f32_backward_diff_weights_only_where_padded(monkeypatch: pytest.MonkeyPatch, isa: str) -> None:
+    # float32 is the same on both instruction sets: the ldgoi diff weights get a buffer only where
+    # good_ld pads a dimension (I=128 and H=64 are not padded: 128 is no multiple of 256). Measured on
+    # the EPYC: 364,088 for (T32, N4, 128 -> 64) and 10,719,800 for 128 -> 512 (the Xeon's fit read
+    # +196,608 and +1,048,576 there; its four "over at H <= 256" shapes are exactly this term).
+    native(monkeypatch)
+    monkeypatch.setenv(cpu.ISA_ENV, isa)
+    assert ws(lstm_bwd(32, 4, 128, 64, torch.float32)) == 364_088
+    assert ws(lstm_bwd(32, 4, 128, 512, torch.float32)) == 10_719_800
+
+
+def convd(
+    x: TensorMeta,
+    w: TensorMeta,
+    *,
+    stride: int = 1,
+    pad: int = 0,
+    dil: int = 1,
+    groups: int = 1,
+    go: TensorMeta | None = None,
+    mask: tuple[bool, bool, bool] = NO_BIAS,
+) -> OpCall:
+    """A 2-d convolution (``go`` None) or its backward, with dilation."""
+    geometry = ([stride] * 2, [pad] * 2, [dil] * 2, False, [0, 0], groups)
+    if go is None:
+        return call(aten.convolution.default, x, w, None, *geometry)
+    return call(aten.convolution_backward.default, go, x, w, None, *geometry, list(mask))
+
+
+@pytest.mark.parametrize("isa", [cpu.AVX512, cpu.AVX512_BF16])
+def test_dilated_convolutions_leave_the_blocked_kernels(monkeypatch: pytest.MonkeyPatch, isa: str) -> None:
+    # DeepLab's ASPP: 960 -> 256, 3x3 at dilation 12-36 on 8x8 maps (batch 2, 2 threads). oneDNN's jit
+    # kernels refuse a padding wider than the width unroll (forward), the overflow (backward-data) and a
+    # dilated kernel taller than the map (backward-weights): all three run as im2col GEMM (measured
+    # 75,202,816 in float32 -- the first model said 8,847,360 -- and 55,296,384 in bfloat16; the same
+    # on the VNNI-capped oneDNN, so for both instruction sets).
+    native(monkeypatch)
+    monkeypatch.setenv(cpu.ISA_ENV, isa)
+    x, w, go = meta(2, 960, 8, 8), meta(256, 960, 3, 3), meta(2, 256, 8, 8)
+    for dil in (12, 24, 36):
+        col = 960 * 9 * 64 * 4
+        weights = 2 * (4 * w.bytes + col) + 256  # the GEMM working set per thread
+        assert ws(convd(x, w, pad=dil, dil=dil, go=go)) == weights == 75_202_816
+    xb, wb, gb = meta(2, 960, 8, 8, dtype=BF), meta(256, 960, 3, 3, dtype=BF), meta(2, 256, 8, 8, dtype=BF)
+    bf16_weights = 2 * (3 * wb.numel * 4 + 960 * 9 * 64 * 2 + 64) + 256
+    assert ws(convd(xb, wb, pad=12, dil=12, go=gb)) == bf16_weights == 55_296_384
+    # Dilation 6: forward and backward-data stay blocked, backward-weights is GEMM (20,054,272 measured).
+    x6, w6 = meta(2, 256, 8, 8), meta(256, 256, 3, 3)
+    assert (
+        ws(convd(x6, w6, pad=6, dil=6, go=meta(2, 256, 8, 8))) == 2 * (4 * w6.bytes + 256 * 9 * 64 * 4) + 256
+    )
+    assert ws(convd(x6, w6, pad=6, dil=6)) == 2 * 256 * 64 * 4 + w6.bytes  # blocked: src + weights
+    # GEMM forward: the whole column buffer per thread while small, + 128 (64 channels: 295,040 measured).
+    assert ws(convd(meta(2, 64, 8, 8), meta(64, 64, 3, 3), pad=12, dil=12)) == 2 * 64 * 9 * 64 * 4 + 128
+    # 28x28 maps at dilation 12 fit every jit kernel: the blocked models hold (802,816 measured).
+    x28, w28 = meta(2, 64, 28, 28), meta(64, 64, 3, 3)
+    assert ws(convd(x28, w28, pad=12, dil=12, go=meta(2, 64, 28, 28))) == ws(
+        convd(x28, w28, pad=1, go=meta(2, 64, 28, 28))
+    )
+
+
+def test_float16_convolutions_use_atens_im2col(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No oneDNN fp16 without AVX512-FP16: ATen's slow_conv2d holds the batch's im2col columns forward and
+    # backward; a dilated one (slow_conv_dilated2d) one image's; 1x1 stride 1 none. Groups loop: a
+    # contiguous copy of the group's input + its columns, and the per-group outputs concatenated.
+    h = torch.float16
+    x, w = meta(2, 64, 28, 28, dtype=h), meta(64, 64, 3, 3, dtype=h)
+    cols = 2 * 64 * 9 * 784 * 2
+    assert (
+        ws(convd(x, w, pad=1)) == ws(convd(x, w, pad=1, go=meta(2, 64, 28, 28, dtype=h))) == cols == 1_806_336
+    )
+    assert ws(convd(x, w, pad=2, dil=2)) == cols // 2  # dilated: one image's columns (903,168)
+    assert ws(convd(x, meta(256, 64, 1, 1, dtype=h))) == 0
+    assert ws(convd(x, meta(64, 16, 3, 3, dtype=h), pad=1, groups=4)) == 501_760  # 451,584 + 50,176
+    go = meta(2, 64, 28, 28, dtype=h)
+    assert ws(convd(x, meta(64, 16, 3, 3, dtype=h), pad=1, groups=4, go=go)) == 551_936
+    xd, wd = meta(2, 96, 28, 28, dtype=h), meta(96, 1, 3, 3, dtype=h)
+    assert ws(convd(xd, wd, pad=1, groups=96)) == xd.bytes  # the concatenated group outputs (301,056)
+    assert ws(convd(xd, wd, pad=1, groups=96, go=xd)) == xd.bytes + wd.bytes  # 302,784
+    monkeypatch.setenv(cpu.ISA_ENV, cpu.AMX)  # AMX CPUs have oneDNN fp16: not this model
+    assert ws(convd(x, w, pad=1)) != cols
+
+
+def test_native_bf16_1x1_convolutions_store_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # jit_avx512_core_bf16_1x1: a float32 store buffer of threads x output positions x channels, + 128,
+    # on top of the reorders; stride 2 gathers the input per thread (rtus) as float32 does.
+    native(monkeypatch)
+    x, w = meta(2, 64, 28, 28, dtype=BF), meta(256, 64, 1, 1, dtype=BF)
+    store = 2 * 784 * 256 * 4 + 128
+    assert ws(convd(x, w)) == store + 2 * 64 * 784 * 2 + w.bytes == 1_839_232
+    assert ws(convd(meta(2, 256, 14, 14, dtype=BF), meta(64, 256, 1, 1, dtype=BF))) == 333_952
+    assert ws(convd(x, meta(128, 64, 1, 1, dtype=BF), stride=2)) == 468_224
+    # Backward-data holds grad_output, weights and diff_src blocked + its store buffer (over the input
+    # channels): 802,816 + 32,768 + 200,704 + 401,536 less the outputs (measured 1,204,352).
+    assert ws(convd(x, w, go=meta(2, 256, 28, 28, dtype=BF))) == 1_204_352
+    monkeypatch.setenv(cpu.ISA_ENV, cpu.AVX512)
+    assert ws(convd(x, w)) == 2 * 256 * 784 * 2  # the Xeon's fit: the blocked result alone
+
+
+def test_native_depthwise_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Measured on the EPYC (batch 2, 96 channels, 28x28): backward-weights holds the blocked grad_output
+    # and input together (float32 1,204,224 at stride 1, 752,640 at stride 2), bf16 with a float32 diff
+    # weight (605,696); bf16 stride 2: two inputs less the weight (600,384; mobilenet_v2's four too).
+    native(monkeypatch)
+    x, w = meta(2, 96, 28, 28), meta(96, 1, 3, 3)
+    assert ws(convd(x, w, pad=1, groups=96, go=x)) == 1_204_224
+    assert ws(convd(x, w, stride=2, pad=1, groups=96, go=meta(2, 96, 14, 14))) == 752_640
+    xb, wb = meta(2, 96, 28, 28, dtype=BF), meta(96, 1, 3, 3, dtype=BF)
+    assert ws(convd(xb, wb, pad=1, groups=96, go=xb)) == 605_696
+    assert ws(convd(xb, wb, stride=2, pad=1, groups=96, go=meta(2, 96, 14, 14, dtype=BF))) == 600_384
+    monkeypatch.setenv(cpu.ISA_ENV, cpu.AVX512)
+    assert ws(convd(x, w, pad=1, groups=96, go=x)) == x.bytes  # the Xeon's: one input-sized buffer
+
+
+def test_native_bf16_channels_last_and_3d(monkeypatch: pytest.MonkeyPatch) -> None:
+    native(monkeypatch)
+    # Channels-last dense bf16: the NCHW backward-weights scratchpad, the minibatch split between the
+    # threads (2 x (64 x 64 x 9 x 4 + 64 x 28 x 30 x 2 + 64 x 28 x 28 x 2) + 8,580 = 719,236 measured).
+    x = cl(2, 64, 28, 28, dtype=BF)
+    w = meta(64, 64, 3, 3, dtype=BF, stride=(576, 1, 192, 64))
+    assert ws(convd(x, w, pad=1, go=x)) == 719_236
+    # 3-d bf16: the 2-d schemes with a depth (measured 155,648 forward, 645,508 backward).
+    x3, w3 = meta(2, 32, 4, 14, 14, dtype=BF), meta(32, 32, 3, 3, 3, dtype=BF)
+    assert ws(conv(x3, w3, 1, 1, out=x3)) == 155_648
+    assert ws(convb(x3, x3, w3, 1, 1, mask=NO_BIAS)) == 645_508
+    monkeypatch.setenv(cpu.ISA_ENV, cpu.AVX512)
+    assert kernel_memory(convb(x3, x3, w3, 1, 1, mask=NO_BIAS)) is None  # unmeasured on the Xeon
+
+
+def test_native_layer_norm_backward_partial_sums(monkeypatch: pytest.MonkeyPatch) -> None:
+    # {2, threads, N} gamma/beta partial sums in the input's dtype (measured 4,096 f32 / 2,048 bf16, N=256).
+    native(monkeypatch)
+    for dtype, expected in ((torch.float32, 4096), (BF, 2048)):
+        x, stats = meta(4, 64, 256, dtype=dtype), meta(4, 64, 1)
+        g = meta(256, dtype=dtype)
+        c = call(aten.native_layer_norm_backward.default, x, x, [256], stats, stats, g, g, [True] * 3)
+        assert ws(c) == expected
+    monkeypatch.setenv(cpu.ISA_ENV, cpu.AVX512)
+    assert ws(c) == 0
+
+
+def test_mixed_dtype_batch_norm_saves_float32_stats() -> None:
+    # bf16 input, float32 parameters (autocast): the real kernel's mean/invstd are float32, the meta
+    # kernel's bf16 (measured 512 B of temporaries + 128 B more per saved statistic at C=64).
+    x, p = meta(4, 64, 28, 28, dtype=BF), meta(64)
+    km = kernel_memory(call(aten.native_batch_norm.default, x, p, p, p, p, True, 0.1, 1e-5))
+    assert km == KernelMemory(512, True, (0, 128, 128))

@@ -1,10 +1,16 @@
-"""CPU kernel models: oneDNN's layout arithmetic shared by all of them, and the models of matrix products,
-normalization and reductions (convolutions: ``cpu_conv.py``; the LSTM: ``cpu_rnn.py``).
+"""CPU kernel models: the machine's instruction set (:func:`isa`), oneDNN's layout arithmetic shared by all
+models, and the models of matrix products, normalization and reductions (convolutions: ``cpu_conv.py``;
+the LSTM: ``cpu_rnn.py``).
 
-The numbers were measured on CPU (torch 2.14.1, oneDNN on an AVX-512 Xeon without native bf16, 2
-threads) with ``benchmarks/find_kernel_workspaces.py``; ``benchmarks/KERNELS.md`` lists the evidence and
-how exact each formula is. oneDNN's choices depend on the ISA and on the thread count
-(``torch.get_num_threads()`` is read when a formula needs it), so on other CPUs these are close, not exact.
+oneDNN picks its kernels -- and their scratch buffers -- by the instruction set: with native bf16
+(``avx512_bf16``) it runs brgemm bf16 matmuls and bf16 RNN cells that allocate differently from the
+emulated bf16 of an AVX-512 CPU without it. So each model that differs reads :func:`isa` and keeps one
+formula per instruction set. The numbers were measured with torch 2.14.1 (oneDNN 3.12) at 2 threads:
+:data:`AVX512` on an AVX-512 Xeon without native bf16 (``benchmarks/find_kernel_workspaces.py``), and
+:data:`AVX512_BF16` on an AMD EPYC with ``avx512_bf16`` (``benchmarks/kernel_sweep.py``);
+``benchmarks/KERNELS.md`` lists the evidence and how exact each formula is. The thread count
+(``torch.get_num_threads()``) is read where a formula needs it; cache sizes also steer some oneDNN
+heuristics, so on other CPUs of the same instruction set these are close, not always exact.
 
 Example:
     >>> import torch
@@ -19,16 +25,88 @@ Example:
 
 from __future__ import annotations
 
+import functools
+import math
+import os
 from typing import Any
 
 import torch
 
 from lightning_memest.accounting.kernels.model import CPU_KERNELS, KernelMemory
 from lightning_memest.engine.events import OpCall, TensorMeta
+from lightning_memest.machine import cpu_flags
 
-__all__ = ["MKLDNN_DTYPES", "copy_if_strided", "good_ld", "ints", "rnd", "threads"]
+__all__ = [
+    "AMX",
+    "AVX512",
+    "AVX512_BF16",
+    "ISAS",
+    "ISA_ENV",
+    "MKLDNN_DTYPES",
+    "OTHER",
+    "brgemm_bf16_scratch",
+    "copy_if_strided",
+    "good_ld",
+    "ints",
+    "isa",
+    "native_bf16",
+    "rnd",
+    "threads",
+]
 
 aten = torch.ops.aten
+
+# ------------------------------------------------------------------------------------ instruction set
+
+#: AVX-512 without native bf16 (bf16 emulated in fp32): the Xeon the first models were fitted on.
+AVX512 = "avx512"
+#: AVX-512 with native bf16 (``avx512_bf16``: AMD Zen 4/5, Cooper Lake): measured on an AMD EPYC.
+AVX512_BF16 = "avx512_bf16"
+#: AMX tiles (Sapphire Rapids and later): not measured; its bf16 kernels are closest to AVX512_BF16's.
+AMX = "amx"
+#: No AVX-512 (AVX2 and below): not measured; the AVX512 models hold as the nearest.
+OTHER = "other"
+ISAS = (AVX512, AVX512_BF16, AMX, OTHER)
+#: Overrides the detected instruction set (one of :data:`ISAS`): to estimate for another CPU, and in tests.
+ISA_ENV = "MEMEST_CPU_ISA"
+# oneDNN's ONEDNN_MAX_CPU_ISA values (src/cpu/x64/cpu_isa_traits.hpp) in increasing order, by what they
+# allow: a cap below AVX512_CORE_BF16 makes oneDNN emulate bf16 on any CPU.
+_BELOW_AVX512 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2")
+_NO_BF16 = ("AVX512_CORE", "AVX512_CORE_VNNI")
+
+
+def isa() -> str:
+    """The instruction set oneDNN runs here, as the kernel models key it: :data:`AVX512`,
+    :data:`AVX512_BF16`, :data:`AMX` or :data:`OTHER`. ``$MEMEST_CPU_ISA`` overrides it; otherwise it
+    comes from torch's CPU capability and the CPU flags, capped as ``ONEDNN_MAX_CPU_ISA`` caps oneDNN
+    (read once per process)."""
+    forced = os.environ.get(ISA_ENV)
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISAS)}; got {forced!r}")
+        return forced
+    return _machine_isa()
+
+
+@functools.cache
+def _machine_isa() -> str:
+    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return OTHER
+    cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    if cap in _BELOW_AVX512:
+        return OTHER
+    flags = set(cpu_flags())
+    if cap in _NO_BF16 or ("avx512_bf16" not in flags and "amx_bf16" not in flags):
+        return AVX512
+    if "amx_bf16" in flags and (not cap or "AMX" in cap or cap in ("ALL", "DEFAULT")):
+        return AMX
+    return AVX512_BF16
+
+
+def native_bf16() -> bool:
+    """Whether oneDNN runs bf16 natively here (:data:`AVX512_BF16` or :data:`AMX`)."""
+    return isa() in (AVX512_BF16, AMX)
+
 
 # ---------------------------------------------------------------------------------------------- helpers
 
@@ -88,11 +166,63 @@ def _mm(call: OpCall) -> KernelMemory | None:
             ws += m.bytes
     out = call.outputs[0] if call.outputs else None
     if out is not None and out.dtype == torch.bfloat16:
-        # oneDNN bf16 matmul without native bf16 support accumulates into a float32 copy of the result
-        # (measured: exactly 4 B per output element + 128, gpt/resnet18 bf16-true and bf16-mixed).
-        # float16 takes another path that allocates nothing extra (tests/test_cli.py, 16-true MLP).
-        ws += out.numel * 4 + 128
+        if native_bf16():
+            a, b = mats
+            if isinstance(a, TensorMeta) and isinstance(b, TensorMeta) and len(a.shape) == len(b.shape) == 2:
+                ws += brgemm_bf16_scratch(a.shape[0], a.shape[1], b.shape[1], _transposed(a))
+        else:
+            # oneDNN bf16 matmul without native bf16 support accumulates into a float32 copy of the
+            # result (measured: exactly 4 B per output element + 128, gpt/resnet18 bf16-true and
+            # bf16-mixed).
+            ws += out.numel * 4 + 128
+    # float16 takes another path that allocates nothing extra (tests/test_cli.py, 16-true MLP; the
+    # sweep's f16 linear and bmm on both instruction sets).
     return KernelMemory(ws) if ws else None
+
+
+@CPU_KERNELS.register(aten.bmm)
+def _bmm(call: OpCall) -> KernelMemory | None:
+    # bf16 bmm runs the same brgemm matmul with a batch dimension: one scratchpad for all the batch
+    # (the sweep's bmm, forward and both backward products: exact but the transposed-A one, 16 KB under).
+    a, b = call.arg("self"), call.arg("mat2")
+    if call.device_type != "cpu" or not isinstance(a, TensorMeta) or not isinstance(b, TensorMeta):
+        return None
+    if a.dtype != torch.bfloat16 or not native_bf16() or len(a.shape) != 3 or len(b.shape) != 3:
+        return None  # without native bf16: measured nothing beyond the output (f32 and f16 alike)
+    inner = TensorMeta(a.shape[1:], a.stride[1:], a.dtype, a.device_type, a.nbytes)
+    return KernelMemory(brgemm_bf16_scratch(a.shape[1], a.shape[2], b.shape[2], _transposed(inner)))
+
+
+def _transposed(t: TensorMeta) -> bool:
+    """A 2-d operand stored column-major (a transposed view): oneDNN's ``ba`` source layout."""
+    return len(t.shape) == 2 and t.stride[0] == 1 and t.shape[0] > 1 and t.stride[1] >= t.shape[0]
+
+
+def brgemm_bf16_scratch(m: int, k: int, n: int, a_transposed: bool) -> int:
+    """Scratchpad of oneDNN's brgemm bf16 matmul (``brg_matmul:avx512_core_bf16``) for ``(m x k) @ (k x
+    n)``, after src/cpu/x64/matmul/brgemm_matmul_utils.cpp (``init_scratchpad``): per thread a float32
+    accumulator block C (``M_blk x 64``), B copied to the VNNI layout (``K_blk x 64``, K_blk = min(K, 512),
+    1024 above K = 1024), and for a transposed A (weight gradients) A copied (``M_blk x lda``); 1,664 B of
+    brgemm batch descriptors. M_blk = M split into blocks of at most 256; with a copied A and K above one
+    block the C buffer spans up to 16 N blocks. Fitted against 400 measured (M, K, N, layout) points on
+    the AMD EPYC (2 threads): 297 exact, median error 0 / 512 B (plain / transposed A); K >= 2048 with
+    M >= 1024 splits K across threads and reads up to 2 MB higher (not modelled)."""
+    nthr = threads()
+    m_chunks = -(-m // 256)
+    m_blk = -(-m // m_chunks)
+    k_blk = min(k, 1024 if k > 1024 and not a_transposed else 512)
+    n_blk = min(n, 64)
+    if not a_transposed:
+        return nthr * (m_blk * n_blk * 4 + rnd(k_blk, 32) * n_blk * 2) + 1664
+    lda = rnd(k_blk, 32)
+    if lda >= 512 and lda & (lda - 1) == 0:
+        lda += 32  # get_actual_lda: a big power of two is padded by a cache line
+    n_chunks = -(-n // 64)
+    if m_chunks < nthr:
+        n_chunks = -(-n_chunks // nthr)
+    c_blocks = min(16, n_chunks) if k > 512 else 1
+    a_copy = min(nthr, m_chunks) * m_blk * lda * 2
+    return a_copy + nthr * (m_blk * 64 * 4 * c_blocks + rnd(k_blk, 32) * 64 * 2) + 128 + 1664
 
 
 # ------------------------------------------------------------------------------------ normalisation
@@ -105,7 +235,13 @@ def _batch_norm(call: OpCall) -> KernelMemory | None:
     x, training = call.arg("input"), call.arg("training", True)
     if call.device_type != "cpu" or not isinstance(x, TensorMeta) or not training or len(x.shape) < 2:
         return None
-    return KernelMemory(2 * x.shape[1] * 4)
+    c, weight = x.shape[1], call.arg("weight")
+    if isinstance(weight, TensorMeta) and weight.dtype == torch.float32 and x.itemsize == 2:
+        # Mixed dtypes (a bf16 input with float32 parameters, as autocast runs it): the real kernel saves
+        # mean and invstd in float32, the meta kernel says the input's dtype (measured: 128 B more each
+        # at C=64, both instruction sets).
+        return KernelMemory(2 * c * 4, True, (0, c * 2, c * 2))
+    return KernelMemory(2 * c * 4)
 
 
 @CPU_KERNELS.register(aten.native_batch_norm_backward)
@@ -130,10 +266,17 @@ def _layer_norm(call: OpCall) -> KernelMemory | None:
 @CPU_KERNELS.register(aten.native_layer_norm_backward)
 def _layer_norm_backward(call: OpCall) -> KernelMemory | None:
     # layer_norm_backward_cpu: contiguous copies of a strided grad_out and input (vit_b_16: 2,426,880 each
-    # at batch 4), plus a few KB of per-thread gamma/beta partial sums (not modelled).
+    # at batch 4), plus a few KB of per-thread gamma/beta partial sums (modelled with native bf16 only).
     if call.device_type != "cpu":
         return None
     ws = copy_if_strided(call.arg("grad_out")) + copy_if_strided(call.arg("input"))
+    x, mask = call.arg("input"), call.arg("output_mask", (True, True, True))
+    if native_bf16() and isinstance(x, TensorMeta) and (mask[1] or mask[2]):
+        # aten/src/ATen/native/cpu/layer_norm_kernel.cpp: per-thread gamma and beta partial sums,
+        # {2, num_threads, N} in the input's dtype (measured on the AMD EPYC: 4,096 B for N=256 float32,
+        # 2,048 for bfloat16 -- and the Xeon's unmodelled 2-12 KB remainder fits it too, 12,288 B for
+        # vit_b_16's N=768; kept out of the AVX512 model, whose tests pin the copies alone).
+        ws += 2 * threads() * math.prod(call.arg("normalized_shape", x.shape[-1:])) * x.itemsize
     return KernelMemory(ws) if ws else None
 
 

@@ -1,6 +1,9 @@
 """CPU convolution kernel models (oneDNN): forward and backward, 2-d and 3-d, NCHW and channels-last,
 float32 and bfloat16 -- the reorders into blocked layouts, the result buffers and the scratchpads that
-oneDNN holds beyond the op's outputs. Measured as ``cpu.py`` says; evidence in ``benchmarks/KERNELS.md``.
+oneDNN holds beyond the op's outputs -- and float16, which ATen computes with its own im2col kernels where
+oneDNN has no fp16 (every CPU without AVX512-FP16). Dilated convolutions whose dilated kernel outgrows
+the map or its padding leave oneDNN's blocked (jit) kernels for its im2col GEMM ones, pass by pass, as
+oneDNN's dispatch conditions say. Measured as ``cpu.py`` says; evidence in ``benchmarks/KERNELS.md``.
 
 Example:
     >>> import torch
@@ -17,11 +20,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from lightning_memest.accounting.kernels.cpu import MKLDNN_DTYPES, ints, rnd, threads
+from lightning_memest.accounting.kernels.cpu import AMX, MKLDNN_DTYPES, ints, isa, native_bf16, rnd, threads
 from lightning_memest.accounting.kernels.model import CPU_KERNELS, KernelMemory
 from lightning_memest.engine.events import OpCall, TensorMeta
 
@@ -82,7 +86,14 @@ def _convolution(call: OpCall) -> KernelMemory | None:
     s = x.itemsize
     oh, ow = _conv_shapes(x, w, stride, padding, dilation)
     out = n * oc * oh * ow * s
+    if _slow_fp16(x):
+        return _slow_convolution(x, w, (oh, ow), stride, padding, dilation, groups, None, None)
     depthwise = groups > 1 and icg == 1 and oc == groups
+    gemm = _gemm_passes(x, w, (oh, ow), stride, padding, dilation, groups)
+    if gemm.forward and not (x.is_channels_last() or w.is_channels_last()):
+        # oneDNN's im2col GEMM forward (gemm_convolution): plain layouts, a plain result copied into the
+        # output, and the column scratchpad (measured: DeepLab's ASPP 960 -> 256 on 8x8 maps, 368,768).
+        return KernelMemory(max(_gemm_forward_scratch(c, kh * kw, oh * ow, oc, s), out))
     if x.is_channels_last() or w.is_channels_last():
         w_copy = 0 if w.is_channels_last() or (w.is_contiguous() and (icg == 1 or kh * kw == 1)) else w.bytes
         w_r = _blocked_weight_bytes(w, groups, True, s)
@@ -94,9 +105,19 @@ def _convolution(call: OpCall) -> KernelMemory | None:
     y = n * rnd(oc, 16) * oh * ow * s
     # 1x1 convolutions with stride > 1 gather the strided input per thread ("rtus" scratchpad).
     rtus = 0
-    if blocked and kh == kw == 1 and any(v > 1 for v in ints(stride, 2)) and s == 4:
+    unit = kh == kw == 1 and blocked and groups == 1
+    if unit and any(v > 1 for v in ints(stride, 2)) and (s == 4 or native_bf16()):
         rtus = threads() * c * oh * ow * s + 128
-    return KernelMemory(max(src_r + w_r + y + rtus - out, y))
+    store = _bf16_1x1_store(oh * ow, oc) if unit and s == 2 and native_bf16() else 0
+    return KernelMemory(max(store + src_r + w_r + y + rtus - out, y))
+
+
+def _bf16_1x1_store(bcast: int, load: int) -> int:
+    # jit_avx512_core_bf16_1x1_conv_kernel.cpp init_scratchpad: forward and backward-data keep a float32
+    # store buffer of nthr x bcast_dim (output positions of one image) x load_dim (output channels, or
+    # input channels for backward-data, rounded to 16), + 128 (measured on the AMD EPYC: 1,605,760 for
+    # 64 -> 256 on 28x28, 100,480 for 256 -> 64 on 14x14, 401,536 for backward-data of both).
+    return threads() * bcast * rnd(load, 16) * 4 + 128
 
 
 @CPU_KERNELS.register(aten.convolution_backward)
@@ -114,29 +135,219 @@ def _convolution_backward(call: OpCall) -> KernelMemory | None:
     oc, icg, kh, kw = w.shape
     oh, ow = go.shape[2], go.shape[3]
     s = x.itemsize
+    padding, dilation = call.arg("padding"), call.arg("dilation")
+    if _slow_fp16(x):
+        return _slow_convolution(x, w, (oh, ow), stride, padding, dilation, groups, go, mask)
     depthwise = groups > 1 and icg == 1 and oc == groups
+    gemm = _gemm_passes(x, w, (oh, ow), stride, padding, dilation, groups)
+    positions, col_elems = oh * ow, c * kh * kw * oh * ow
     if x.is_channels_last() or w.is_channels_last():
-        return _convolution_backward_channels_last(go, x, w, mask, depthwise, stride)
+        found = _convolution_backward_channels_last(go, x, w, mask, depthwise, stride, dilation)
+        if gemm.weights and mask[1] and found is not None:
+            # The GEMM backward-weights runs on a plain copy of the input (measured: the NCHW scratch +
+            # the input's bytes + 128, float32 and bfloat16, 8x8 maps at dilation 6 and 12).
+            scratch = _gemm_weights_scratch_for(n, w, col_elems, positions) + x.bytes + 128
+            return KernelMemory(max(found.workspace_bytes, scratch))
+        return found
     # NCHW backend: a channels-last grad_output (a channels-last layer after this one) is made contiguous.
     go_copy = 0 if go.is_contiguous() else go.bytes
+    if gemm.data or gemm.weights:
+        blocked = c >= 16
+        bf16_scratch = (
+            _bf16_weights_scratch(x, w, go, ints(stride, 2), dilation=max(ints(dilation, 2)))
+            if mask[1] and s == 2 and not gemm.weights and blocked and kh * kw > 1
+            else None
+        )
+        w_b = _blocked_weight_bytes(w, groups, blocked, s)
+        excess = _blocked_backward_excess(
+            go,
+            x,
+            w,
+            w_b,
+            mask,
+            blocked,
+            False,
+            bf16_scratch,
+            gemm_data=_gemm_data_scratch(n, c, kh * kw, positions, h * wd, s) if gemm.data else None,
+            gemm_weights=_gemm_weights_scratch_for(n, w, col_elems, positions) if gemm.weights else None,
+        )
+        return KernelMemory(go_copy + excess)
     if kh >= 15 and kw >= 15 and groups == 1 and s == 4 and mask[1]:
         # Kernels of 15 and more (ViT patch embeddings: 16x16, 32x32) run backward-weights as an im2col
         # GEMM (measured: 14 -> blocked, 15 -> GEMM). vit_b_32 at batch 2: 77,003,008 (-3.9 % before).
         col = c * kh * kw * oh * ow * s
         return KernelMemory(go_copy + _gemm_weights_scratch(n, w.bytes, col, oh * ow, None))
     if depthwise:
+        if native_bf16() and kh * kw <= 9 and mask[1] and max(ints(dilation, 2)) == 1:
+            # With native bf16 (the AMD EPYC, float32 and bfloat16 alike; mobilenet_v2's every 3x3
+            # depthwise layer): backward-weights holds the blocked grad_output and input together, and
+            # bfloat16 a float32 diff-weights buffer (+ 128). Exact in the sweep and in mobilenet_v2's
+            # real step (bf16-mixed, batch 4). Dilated ones read one input, as below (dilation 4).
+            go_r = n * rnd(oc, 16) * oh * ow * s
+            src_r = n * rnd(c, 16) * h * wd * s
+            if s == 2 and any(v > 1 for v in ints(stride, 2)):
+                # bf16 stride 2: two input-sized buffers less the weight's bytes (exact on mobilenet_v2's
+                # four stride-2 depthwise layers and the sweep's).
+                return KernelMemory(go_copy + 2 * src_r - w.bytes)
+            diff_w = w.numel * 4 + 128 if s == 2 else 0
+            return KernelMemory(go_copy + go_r + src_r + diff_w)
         # Measured: one input-sized blocked buffer (mobilenet_v2, efficientnet_b0; exact at stride 1).
         return KernelMemory(go_copy + n * rnd(c, 16) * h * wd * s)
     blocked = c >= 16 or groups > 1
     strided = s == 4 and groups == 1 and any(v > 1 for v in ints(stride, 2))
     bf16_scratch = (
-        _bf16_weights_scratch(x, w, go, ints(stride, 2))
+        _bf16_weights_scratch(x, w, go, ints(stride, 2), dilation=max(ints(dilation, 2)))
         if mask[1] and s == 2 and groups == 1 and blocked and kh * kw > 1
         else None
     )
+    data_scratch = 0
+    if s == 2 and kh == kw == 1 and groups == 1 and blocked and native_bf16():
+        # bf16 1x1 with native bf16: backward-data's float32 store buffer (as forward's, over the input
+        # channels), and backward-weights' float32 diff-weights buffer (n_wei_buffers = nthr_mb, which
+        # oneDNN's balance() leaves at 1 here) + 128 -- exact for 64 -> 256 on 28x28; the transposition
+        # buffers beside it (0-150 KB: 41 KB for 64 -> 128 stride 2, 67 KB for mobilenet_v2's 320 ->
+        # 1280 on 7x7, 150 KB for 256 -> 64 on 14x14) are not modelled.
+        data_scratch = _bf16_1x1_store(h * wd, c)
+        bf16_scratch = w.numel * 4 + 128 if mask[1] else None
     w_b = _blocked_weight_bytes(w, groups, blocked, s)
-    excess = _blocked_backward_excess(go, x, w, w_b, mask, blocked, strided, bf16_scratch)
+    excess = _blocked_backward_excess(
+        go, x, w, w_b, mask, blocked, strided, bf16_scratch, data_scratch=data_scratch
+    )
     return KernelMemory(go_copy + excess)
+
+
+# ------------------------------------------------------------------------- float16: ATen's own kernels
+
+
+def _slow_fp16(x: TensorMeta) -> bool:
+    # torch's mkldnn_fp16_device_check: oneDNN convolves float16 only with AVX512-FP16 or AMX-FP16 (the
+    # AMX CPUs); elsewhere ATen's slow_conv2d / slow_conv_dilated2d run (the sweep on the AMD EPYC).
+    return x.dtype == torch.float16 and isa() != AMX
+
+
+def _slow_convolution(
+    x: TensorMeta,
+    w: TensorMeta,
+    out_hw: tuple[int, int],
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    groups: int,
+    go: TensorMeta | None,
+    mask: Sequence[bool] | None,
+) -> KernelMemory | None:
+    """ATen's im2col convolution (aten/src/ATen/native/ConvolutionMM2d.cpp, NaiveDilatedConvolution.cpp),
+    forward (``go`` None) and backward: an im2col column buffer -- for the whole batch, or one image when
+    dilated -- and for groups a loop over them, each on a contiguous copy of its input slice, whose
+    outputs are concatenated at the end. Exact on the sweep's 26 float16 2-d shapes (kernels 1-7, strides
+    1-2, dilation 2-12, groups 1/4/32/depthwise, NCHW and channels-last)."""
+    if len(x.shape) != 4:
+        return None
+    n, _, h, wd = x.shape
+    oc, icg, kh, kw = w.shape
+    oh, ow = out_hw
+    s = x.itemsize
+    dilated = any(v > 1 for v in ints(dilation, 2))
+    unit = kh == kw == 1 and all(v == 1 for v in ints(stride, 2)) and all(v == 0 for v in ints(padding, 2))
+    cols = 0 if unit and not dilated else (1 if dilated else n) * icg * kh * kw * oh * ow * s
+    if groups == 1:
+        return KernelMemory(cols) if cols else None
+    x_g = n * icg * h * wd * s
+    if go is None or mask is None:
+        return KernelMemory(max(x_g + cols, n * oc * oh * ow * s))
+    go_g = n * (oc // groups) * oh * ow * s
+    grads = (x.bytes if mask[0] else 0) + (w.bytes if mask[1] else 0)
+    return KernelMemory(max(go_g + x_g + cols, grads))
+
+
+# ---------------------------------------------------------------------- dilation: blocked or GEMM
+
+
+@dataclass(frozen=True)
+class _GemmPasses:
+    """Which passes of a convolution leave oneDNN's blocked jit kernels for its im2col GEMM."""
+
+    forward: bool = False
+    data: bool = False
+    weights: bool = False
+
+
+def _gemm_passes(
+    x: TensorMeta,
+    w: TensorMeta,
+    out_hw: tuple[int, int],
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    groups: int,
+) -> _GemmPasses:
+    """oneDNN's dispatch of a dilated 2-d convolution (src/cpu/x64/jit_avx512_common_conv_kernel.cpp, the
+    avx512_core kernels; the bf16 ones measured to follow it): each pass whose jit kernel refuses the shape
+    runs ``gemm_convolution`` instead. Forward refuses a kernel entirely inside the padding and a padding
+    wider than the width unroll ``ur_w``; backward-data the same on its overflow, and any stride with
+    dilation; backward-weights any stride with dilation and a dilated kernel taller than the map. Only
+    dilated, ungrouped convolutions are checked (the blocked models were fitted on the others)."""
+    dil = ints(dilation, 2)
+    if groups != 1 or max(dil) <= 1 or len(x.shape) != 4:
+        return _GemmPasses()
+    ih, iw = x.shape[2:]
+    oc, _, kh, kw = w.shape
+    oh, ow = out_hw
+    (sh, sw), (ph, pw), (dh, dw) = ints(stride, 2), ints(padding, 2), dil
+    ext_kh, ext_kw = (kh - 1) * dh + 1, (kw - 1) * dw + 1
+    r_pad = (ow - 1) * sw + ext_kw - (iw + pw)
+    b_pad = (oh - 1) * sh + ext_kh - (ih + ph)
+    outside = ext_kw <= pw or ext_kw <= r_pad or ext_kh <= ph or ext_kh <= b_pad
+    # Forward's width unroll: 28 registers for "embedded broadcast" kernels (kw > 3, or 3x3 stride 1 on
+    # maps up to 28 wide), else 31 // (nb_oc_blocking + 1) with the largest blocking of 5 that divides
+    # the output-channel blocks (the thread-efficiency search is not reproduced).
+    if kw > 3 or (sh == sw == 1 and kw == 3 and ow <= 28):
+        ur_w = min(ow, 28)
+    else:
+        nb_oc = -(-oc // 16)
+        ur_w = min(ow, 31 // (max(d for d in range(1, 6) if nb_oc % d == 0) + 1))
+    forward = outside or pw > ur_w or r_pad > ur_w
+    strided = sh > 1 or sw > 1
+    l_overflow = max(0, (kw - 1) * dw - pw) // sw
+    r_overflow = max(0, (kw - 1) * dw - max(0, r_pad)) // sw
+    data = strided or outside or max(l_overflow, r_overflow) > min(iw, 28)
+    weights = strided or ext_kh > ih
+    return _GemmPasses(forward, data, weights)
+
+
+def _gemm_forward_scratch(c: int, ks: int, positions: int, oc: int, s: int) -> int:
+    # gemm_convolution_utils.cpp init_conf (forward, NCHW): per thread an im2col block of ic_block x ks x
+    # os_block elements (bf16: bf16 columns and a float32 accumulator), + 128 / 256 B. The blocks come from
+    # an L2-cache search not reproduced here: the whole column buffer up to ~600 KB, else about 360 KB of
+    # columns per thread (measured here, 2 threads: 184 KB at 960 ch on 8x8 maps, 360 KB at 16x16,
+    # 452 KB at 28x28, 339 KB at 32x32; so up to 2x over or 20 % under for big inputs).
+    col = c * ks * positions
+    if col * s > 600_000:
+        col = 360_000 // s
+    if s == 4:
+        return threads() * col * 4 + 128
+    return threads() * (col * 2 + min(oc * positions, 100_000) * 4) + 256
+
+
+def _gemm_data_scratch(n: int, c: int, ks: int, positions: int, spatial: int, s: int) -> int:
+    # gemm_convolution_utils.cpp (backward-data, NCHW): float32 columns of ic x ks x os per thread -- the
+    # threads split the minibatch when there is more than one image -- and for bf16 a float32 diff_src
+    # accumulator of rnd16(ic x ih x iw) per thread; + 128 / 256 B (exact: 4,423,808 and 4,915,456 for
+    # DeepLab's 960 -> 256 ASPP convolution at batch 2, float32 and bfloat16).
+    nthr = threads() if n > 1 else 1
+    acc = rnd(c * spatial, 16) * 4 if s == 2 else 0
+    return nthr * (c * ks * positions * 4 + acc) + (128 if s == 4 else 256)
+
+
+def _gemm_weights_scratch_for(n: int, w: TensorMeta, col_elems: int, positions: int) -> int:
+    """The GEMM backward-weights scratch of a 2-d convolution in its dtype."""
+    if w.itemsize == 4:
+        return _gemm_weights_scratch(n, w.bytes, col_elems * 4, positions, None)
+    # bfloat16: per working set three float32 weight-sized buffers and bf16 columns, + 64; + 256 (exact:
+    # 55,296,384 for the ASPP's 960 -> 256 at dilation 12-36 and 14,745,984 for 256 -> 256 at dilation
+    # 6 on 8x8 maps, batch 2, 2 threads, on both instruction sets).
+    sets = threads() if n >= 2 and positions / threads() < 256 else 1
+    return sets * (3 * w.numel * 4 + col_elems * 2 + 64) + 256
 
 
 def _blocked_backward_excess(
@@ -148,12 +359,18 @@ def _blocked_backward_excess(
     blocked: bool,
     strided: bool,
     weights_scratch: int | None = None,
+    *,
+    gemm_data: int | None = None,
+    gemm_weights: int | None = None,
+    data_scratch: int = 0,
 ) -> int:
     """The most oneDNN's blocked (nC[d]hw16c) convolution backward holds beyond its outputs, 2-d and
     3-d alike: grad_output, the weights (``w_b`` bytes blocked) and, when ``blocked``, the source are
     reordered; backward-data writes a blocked diff_src reordered into grad_input, backward-weights a
     blocked diff_weights reordered into grad_weight (with ``weights_scratch`` beside grad_weight when
-    given: the bfloat16 scratchpad)."""
+    given: the bfloat16 scratchpad). A pass that runs as oneDNN's im2col GEMM instead (``gemm_data`` /
+    ``gemm_weights``: its scratchpad) works on plain layouts: its scratchpad, then a plain result copied
+    into the gradient (seen in the allocator's events of dilated 3x3 convolutions)."""
     n, c = x.shape[:2]
     oc = w.shape[0]
     s = x.itemsize
@@ -164,10 +381,14 @@ def _blocked_backward_excess(
     gw = w.bytes if mask[1] else 0
     gb = oc * s if mask[2] else 0
     held = [0]
-    if mask[0]:
+    if mask[0] and gemm_data is not None:
+        held += [gi + gemm_data, 2 * gi]  # GEMM backward-data, then its plain diff_src copied
+    elif mask[0]:
         dsrc = n * rnd(c, 16) * spatial * s
-        held += [go_r + w_b + dsrc, dsrc + gi]  # backward-data, then the reorder into grad_input
-    if mask[1]:
+        held += [go_r + w_b + dsrc + data_scratch, dsrc + gi]  # backward-data, then into grad_input
+    if mask[1] and gemm_weights is not None:
+        held += [gi + gw + gemm_weights, gi + 2 * gw]  # GEMM backward-weights, then its plain copy
+    elif mask[1]:
         held += [gi + go_r + src_r + w_b, gi + w_b + gw]  # backward-weights, then into grad_weight
         if strided and blocked and mask[0]:
             # Downsampling float32 convolutions computing grad_input hold input-minus-grad_output bytes
@@ -180,7 +401,12 @@ def _blocked_backward_excess(
 
 
 def _bf16_weights_scratch(
-    x: TensorMeta, w: TensorMeta, go: TensorMeta, stride: tuple[int, ...], split_mb: bool | None = None
+    x: TensorMeta,
+    w: TensorMeta,
+    go: TensorMeta,
+    stride: tuple[int, ...],
+    split_mb: bool | None = None,
+    dilation: int = 1,
 ) -> int:
     # oneDNN bfloat16 backward-weights (emulated on AVX-512 without native bf16) writes diff weights
     # directly into grad_weight but holds a scratchpad of: a float32 diff-weights accumulator, the source
@@ -189,12 +415,15 @@ def _bf16_weights_scratch(
     # copies) for narrow inputs and the channel blocks otherwise (then 8 KiB per thread).
     # Fitted on 11 resnet-like shapes at 1 and 2 threads (3x3 stride 1 and 2): exact when the split rule
     # below guesses oneDNN's thread balance right.
-    n, c, h, wd = x.shape
-    oc, _, _, kw = w.shape
-    oh, ow = go.shape[2], go.shape[3]
-    sw = stride[1]
-    tr_iw = rnd(-(-wd // sw) + kw - 1, 2) * sw
-    per_copy = w.numel * 4 + c * h * tr_iw * 2 + oc * oh * rnd(ow, 2) * 2
+    # 3-d: the same with the rows of every depth slice (exact on a 32 -> 32 3x3x3 at 4x14x14).
+    n, c, *rows, wd = x.shape
+    oc, kw = w.shape[0], w.shape[-1]
+    *out_rows, ow = go.shape[2:]
+    sw = stride[-1]
+    # Dilated kernels widen the transposed source by dilation - 1 columns (fitted: 3x3 at dilation 2, 6
+    # and 12 on 28x28 maps, exact on both instruction sets).
+    tr_iw = rnd(-(-wd // sw) + kw - 1 + (dilation - 1 if dilation > 1 else 0), 2) * sw
+    per_copy = w.numel * 4 + c * math.prod(rows) * tr_iw * 2 + oc * math.prod(out_rows) * rnd(ow, 2) * 2
     nthr = threads()
     if split_mb is None:
         split_mb = c <= 128 and n >= nthr  # right on 8 of 9 measured shapes (64->128 3x3 s2 at 56x56 is not)
@@ -212,11 +441,12 @@ def _bf16_weights_scratch(
 
 
 def _is_mkldnn_conv3d(call: OpCall, x: Any, w: Any, transposed: Any, groups: int) -> bool:
-    # Measured: float32, contiguous NCDHW, ungrouped.
+    # Measured: float32, contiguous NCDHW, ungrouped; bfloat16 too with native bf16 (the sweep's 3-d
+    # shapes on the AMD EPYC; unmeasured on the Xeon, so left to no model there).
     return (
         _is_mkldnn_conv(call, x, w, transposed, ndim=5)
         and groups == 1
-        and x.dtype == torch.float32
+        and (x.dtype == torch.float32 or (x.dtype == torch.bfloat16 and native_bf16()))
         and x.is_contiguous()
     )
 
@@ -246,15 +476,18 @@ def _convolution_backward_3d(
     if depth < kd:
         # im2col GEMM backward-weights (see _gemm_weights_scratch); the column buffer holds one output
         # depth slice. The backward-data phase stays below it on every measured shape.
-        if not mask[1]:
-            return None
+        if not mask[1] or s != 4:
+            return None  # bfloat16's GEMM here is unmeasured beyond one shape
         col = ic * kd * kh * kw * oh * ow * s
         return KernelMemory(_gemm_weights_scratch(n, w.bytes, col, math.prod(go.shape[2:]), go.shape[2]))
     blocked = c >= 16
     w_b = _blocked_weight_bytes(w, 1, blocked, s)
     # Exact on 2 of r3d_18's 4 other shapes; the stride-1 64->64 layer and the stem are w + 8.6 KB
-    # under (the per-thread diff-weights reduction, as in 2-d).
-    return KernelMemory(_blocked_backward_excess(go, x, w, w_b, mask, blocked, min(stride) > 1))
+    # under (the per-thread diff-weights reduction, as in 2-d). bfloat16 (native): the 2-d bf16
+    # backward-weights scratchpad with a depth.
+    scratch = _bf16_weights_scratch(x, w, go, stride) if s == 2 and mask[1] and blocked else None
+    strided = min(stride) > 1 and s == 4
+    return KernelMemory(_blocked_backward_excess(go, x, w, w_b, mask, blocked, strided, scratch))
 
 
 def _gemm_weights_scratch(n: int, w_bytes: int, col: int, positions: int, out_depth: int | None) -> int:
@@ -285,7 +518,13 @@ def _cl_contiguous(t: TensorMeta) -> bool:
 
 
 def _convolution_backward_channels_last(
-    go: TensorMeta, x: TensorMeta, w: TensorMeta, mask: Sequence[bool], depthwise: bool, stride: Any
+    go: TensorMeta,
+    x: TensorMeta,
+    w: TensorMeta,
+    mask: Sequence[bool],
+    depthwise: bool,
+    stride: Any,
+    dilation: Any = 1,
 ) -> KernelMemory | None:
     # Convolution.cpp convolution_backward with the mkldnn backend in channels-last (input or weight
     # channels-last): grad_output, input and weight are made channels-last-contiguous (copies when they are
@@ -315,6 +554,14 @@ def _convolution_backward_channels_last(
         # counted once (oneDNN splitting the channel blocks): exact to 46 KB for 384->768 at 14x14, but
         # 1.7 MB under for 192->384 at 28x28, where oneDNN splits the minibatch instead (a lower bound).
         w_copy = 0 if _cl_contiguous(w) else w.bytes
+        unit_stride = all(v == 1 for v in ints(stride, 2))
+        if native_bf16() and x.shape[1] >= 16 and w.shape[1] == x.shape[1] and (kk > 1 or unit_stride):
+            # With native bf16 the threads split the minibatch as in NCHW (the default split rule): the
+            # sweep's dense channels-last 3x3 and 7x7 shapes (dilation 1-12) exact to 7 KB, 1x1 74 KB over.
+            # Strided 1x1, grouped and stem (C < 16) convolutions keep the channel-split fit (within
+            # 250 KB in the sweep).
+            scratch = _bf16_weights_scratch(x, w, go, ints(stride, 2), dilation=max(ints(dilation, 2)))
+            return KernelMemory(copies + w_copy + scratch)
         return KernelMemory(
             copies + w_copy + _bf16_weights_scratch(x, w, go, ints(stride, 2), split_mb=False)
         )
