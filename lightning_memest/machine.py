@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["cpu_flags", "machine_facts", "machine_key", "mem_available"]
+__all__ = ["cpu_flags", "cpu_model", "machine_facts", "machine_key", "mem_available"]
 
 #: CPU flags (``/proc/cpuinfo``) that change which kernels oneDNN runs in low precision.
 _KERNEL_FLAGS = ("avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8", "avx512_vnni", "avx_vnni")
@@ -57,15 +57,28 @@ def cpu_flags() -> tuple[str, ...]:
 
 
 @functools.cache
+def cpu_model() -> str | None:
+    """The CPU's model name (``/proc/cpuinfo``): its cache sizes change some of oneDNN's blockings."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+@functools.cache
 def _onednn_version() -> str | None:
     match = re.search(r"MKL-DNN v([0-9.]+)", torch.__config__.show())
     return match.group(1) if match else None
 
 
 def machine_facts(device: str | torch.device) -> dict[str, Any]:
-    """What decides the kernels of ``device`` here: the torch release, and for the CPU its ISA, flags,
-    oneDNN release and thread count; for a GPU its name, compute capability, CUDA/cuDNN releases and
-    cuDNN's flags; and the environment variables that change kernels."""
+    """What decides the kernels of ``device`` here: the torch release, and for the CPU its ISA, model
+    (cache sizes), flags, oneDNN release and thread count; for a GPU its name, compute capability,
+    CUDA/cuDNN releases and cuDNN's flags; and the environment variables that change kernels."""
     dev = torch.device(device)
     facts: dict[str, Any] = {"device": dev.type, "torch": torch.__version__}
     if dev.type == "cuda":
@@ -82,6 +95,7 @@ def machine_facts(device: str | torch.device) -> dict[str, Any]:
     else:
         facts.update(
             capability=torch.backends.cpu.get_cpu_capability(),
+            model=cpu_model(),
             flags=list(cpu_flags()),
             onednn=_onednn_version(),
             threads=torch.get_num_threads(),

@@ -33,6 +33,7 @@ BREAKDOWN_KEYS = {
     "activations",
     "inputs",
     "temporaries",
+    "other_tensors",
 }
 
 

@@ -414,7 +414,7 @@ def test_probe_hand_computed() -> None:
     """The probe on a bias-free Linear(256, 256), batch 4 x 256, plain SGD, against a hand count.
 
     Batch 1: resident = weight (262,144 B) + batch (4,096 B), and held elsewhere the dataset (8,192 B)
-    with at most a few Lightning/torch scalars; inside it the output (4,096 B) and the weight's
+    and what else lives in the process; inside it the output (4,096 B) and the weight's
     gradient (262,144 B) are alive together, with a few scalars (the loss, the seed of its gradient).
     Batch 2 starts with batch 1's gradient resident as well; ``zero_grad`` frees it before backward
     makes the next one, so both batches peak alike.
@@ -435,8 +435,8 @@ def test_probe_hand_computed() -> None:
     weight, batch, dataset = 256 * 256 * 4, 4 * 256 * 4, 8 * 256 * 4
     assert first.resident - first.held_elsewhere == weight + batch
     assert second.resident - second.held_elsewhere == 2 * weight + batch
-    assert dataset <= first.held_elsewhere <= dataset + 1024
-    assert dataset <= second.held_elsewhere <= dataset + 1024
+    # (and whatever else lives in this process: earlier tests' tensors, as a user's notebook has them)
+    assert dataset <= first.held_elsewhere == second.held_elsewhere
     scalars = first.rise - (batch + weight)
     assert 0 <= scalars <= 64
     assert (
