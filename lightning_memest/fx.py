@@ -96,7 +96,7 @@ from lightning_memest.engine.step import (
 )
 from lightning_memest.engine.tracker import Tracker
 from lightning_memest.errors import TraceError
-from lightning_memest.report import NODE_ORDERS, GraphProfile, GraphTotals, NodeProfile
+from lightning_memest.node_report import NODE_ORDERS, GraphProfile, GraphTotals, NodeProfile
 
 __all__ = [
     "META_KEY",

@@ -41,7 +41,8 @@ from lightning_memest.engine.events import (
     Tag,
 )
 from lightning_memest.engine.simulate import ModuleNode
-from lightning_memest.report import DataDependentRead, FlopCount, ModuleStats, NodeProfile
+from lightning_memest.node_report import NodeProfile
+from lightning_memest.report import DataDependentRead, FlopCount, ModuleStats
 
 __all__ = [
     "OUTSIDE",
