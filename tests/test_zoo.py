@@ -360,6 +360,7 @@ def test_zoo(case: ZooCase) -> None:
     assert len(with_.probed) == PROBED_BATCHES or with_.error is not None
 
     row = Row(case.name, seconds_without=without.seconds, seconds_with=with_.seconds)
+    off: list[str] = []  # the accuracy problems, kept apart for a case with a known limit
     row.measured_without = [p.peak for p in without.probed]
     row.measured = [p.peak for p in with_.probed]
     row.held_elsewhere = [p.held_elsewhere for p in with_.probed]
@@ -376,7 +377,7 @@ def test_zoo(case: ZooCase) -> None:
             err = 100.0 * (est - meas) / meas
             row.error_pct.append(err)
             if abs(err) > TOLERANCE_PCT:
-                row.problems.append(f"batch {i + 1}: estimated {est:,} B, measured {meas:,} B ({err:+.2f} %)")
+                off.append(f"batch {i + 1}: estimated {est:,} B, measured {meas:,} B ({err:+.2f} %)")
     if with_.memest_warnings and memest.estimate is not None:
         row.problems.append(f"warned: {row.warning}")
     row.weights_differing = _differing(without.weights, with_.weights)
@@ -390,8 +391,14 @@ def test_zoo(case: ZooCase) -> None:
             f"the dataset was read {with_.reads} times ({without.reads} without), iterated {with_.iters} "
             f"times ({without.iters} without)"
         )
+    if case.known_limit is None:
+        row.problems.extend(off)
+    elif not off:
+        row.problems.append(f"within {TOLERANCE_PCT} % although listed as a known limit: {case.known_limit}")
     _report(row)
     assert not row.problems, "; ".join(row.problems)
+    if off:
+        pytest.xfail(f"{case.known_limit}: {'; '.join(off)}")
 
 
 # --- the probe itself ---------------------------------------------------------------------------------------

@@ -81,6 +81,9 @@ class ZooCase:
     max_steps: int = 2
     """``Trainer(max_steps=...)``: optimizer steps, so a two-optimizer manual step counts two."""
     what: str = ""
+    known_limit: str | None = None
+    """Why the estimate is known to miss this case's peak (README "Known limits"): the test then expects
+    the accuracy check, and only it, to fail -- and fails when it passes, so the note cannot go stale."""
 
     def __str__(self) -> str:
         return self.name
@@ -975,5 +978,11 @@ CASES: tuple[ZooCase, ...] = (
     ZooCase("ckpt_reentrant", _checkpoint_reentrant, what="checkpoint(use_reentrant=True) MLP blocks"),
     ZooCase("ckpt_non_reentrant", _checkpoint_non_reentrant, what="checkpoint(use_reentrant=False) attn"),
     ZooCase("streaming_iterable", _stream, what="IterableDataset from a live feed, 1-d CNN"),
-    ZooCase("lightning_ema_callback", _ema_callback, what="EMAWeightAveraging callback"),
+    ZooCase(
+        "lightning_ema_callback",
+        _ema_callback,
+        what="EMAWeightAveraging callback",
+        known_limit="other callbacks' batch hooks are not simulated: the EMA copy is counted (resident), "
+        "the temporaries of its update in on_train_batch_end are not",
+    ),
 )
