@@ -5,6 +5,8 @@ in the loss function, torchvision's ``batched_nms`` over more than 4000 boxes)."
 
 from __future__ import annotations
 
+import copy
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,9 +22,11 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from lightning_memest import EstimationError, estimate_step
 from lightning_memest.engine import data_dependent
 from lightning_memest.engine.events import DataDependent
+from lightning_memest.engine.nonzero_bounds import nonzero_bound
 from lightning_memest.engine.real_path import real_path
 from lightning_memest.engine.step import StepConfig
-from lightning_memest.engine.tracker import Tracker, TrackingFakeTensorMode
+from lightning_memest.engine.tracker import Tracker, TrackingFakeTensorMode, real_value
+from lightning_memest.engine.value_sets import values_in
 from lightning_memest.measure import measure_step
 
 aten = torch.ops.aten
@@ -375,3 +379,222 @@ def test_a_data_dependent_op_without_policy_names_op_and_module() -> None:
     assert "keep_positive" in str(info.value) and "'1'" in str(info.value)
     # the model is restored even after a failure
     assert type(model[0].weight) is nn.Parameter and not hasattr(model[0].weight, "fake_mode")
+
+
+# --- bounds on how many elements are nonzero (engine.nonzero_bounds) ---------------------------------------
+def _set7() -> Tensor:
+    """A zero mask with 7 positions set at unknown places (the sampler's pattern)."""
+    mask = torch.zeros(100, dtype=torch.uint8)
+    mask[torch.randperm(100)[:7]] = 1
+    return mask
+
+
+def _set9() -> Tensor:
+    mask = torch.zeros(100, dtype=torch.bool)
+    mask[torch.randperm(100)[:9]] = True
+    return mask
+
+
+def _through_view() -> Tensor:
+    mask = _set7()
+    mask.view(10, 10)[torch.randint(0, 10, (3,))] = 1  # a write through a view the base does not see
+    return mask
+
+
+#: (what, code making an integer or boolean tensor from unknown values, the bound it must get)
+BOUNDS: list[tuple[str, Callable[[], Tensor], int]] = [
+    ("zeros", lambda: torch.zeros(100, dtype=torch.long), 0),
+    ("new_zeros", lambda: torch.randint(0, 5, (100,)).new_zeros(30), 0),
+    ("full 0", lambda: torch.full((100,), 0), 0),
+    ("ones", lambda: torch.ones(100, dtype=torch.bool), 100),
+    ("unknown", lambda: torch.randint(0, 5, (100,)), 100),
+    ("index_put_", _set7, 7),
+    (
+        "two writes",
+        lambda: _set7().index_put_((torch.randperm(100)[:5],), torch.tensor(3, dtype=torch.uint8)),
+        12,
+    ),
+    (
+        "writing zeros",
+        lambda: _set7().index_put_((torch.randperm(100)[:50],), torch.tensor(0, dtype=torch.uint8)),
+        7,
+    ),
+    ("x[mask] = v", lambda: torch.zeros(100, dtype=torch.long).index_put_((_set9(),), torch.tensor(4)), 9),
+    (
+        "index_fill_",
+        lambda: torch.zeros(10, 10, dtype=torch.long).index_fill_(0, torch.randperm(10)[:3], 1),
+        30,
+    ),
+    ("masked_fill", lambda: torch.zeros(100, dtype=torch.long).masked_fill(_set9(), 2), 9),
+    ("masked_fill 0", lambda: _set7().masked_fill(torch.randint(0, 2, (100,)).bool(), 0), 7),
+    ("scatter_", lambda: torch.zeros(100, dtype=torch.long).scatter_(0, torch.randperm(100)[:5], 1), 5),
+    (
+        "scatter_add_",
+        lambda: _set7().long().scatter_add_(0, torch.randperm(100)[:50], _set9().long()[:50]),
+        16,
+    ),
+    ("copy_", lambda: torch.empty(100, dtype=torch.long).copy_(_set7()), 7),
+    ("a | b", lambda: _set7() | _set9(), 16),
+    ("a | b capped", lambda: torch.randint(0, 2, (100,)).bool() | _set9(), 100),
+    ("logical_or", lambda: torch.logical_or(_set7(), _set9()), 16),
+    ("a & b", lambda: torch.randint(0, 2, (100,)).bool() & _set9(), 9),
+    ("a * b", lambda: torch.randint(0, 5, (100,)) * _set7(), 7),
+    ("a + b", lambda: _set7().long() + _set9().long(), 16),
+    ("where", lambda: torch.where(_set9(), torch.randint(0, 5, (100,)), _set7().long()), 16),
+    ("view, permute, clone", lambda: _set7().view(10, 10).t().clone().reshape(-1), 7),
+    ("casts", lambda: _set7().bool().long().to(torch.int8), 7),
+    ("flip", lambda: _set7().flip(0), 7),
+    ("slice", lambda: _set7()[20:60], 7),
+    ("slice smaller", lambda: _set7()[:5], 5),
+    ("unbind", lambda: _set7().view(10, 10).unbind(0)[3], 7),
+    ("expand", lambda: _set7().view(1, 100).expand(3, 100), 21),
+    ("repeat", lambda: _set7().repeat(2), 14),
+    ("boolean pick", lambda: torch.randint(0, 5, (100,))[_set9()], 9),
+    ("pick of zeros", lambda: torch.zeros(100, dtype=torch.long)[torch.randint(0, 100, (300,))], 0),
+    ("cat", lambda: torch.cat([_set7(), _set9().to(torch.uint8)]), 16),
+    ("x == 2", lambda: (torch.randint(0, 5, (100,)) * _set7()) == 2, 7),
+    ("x >= 1", lambda: (torch.randint(0, 5, (100,)) * _set7()) >= 1, 7),
+    ("x != 0", lambda: (torch.randint(0, 5, (100,)) * _set7()) != 0, 7),
+    ("x == 0", lambda: (torch.randint(0, 5, (100,)) * _set7()) == 0, 100),
+    ("x <= 0", lambda: (torch.randint(0, 5, (100,)) * _set7()) <= 0, 100),
+    ("x == v, v not possible", lambda: torch.arange(5)[torch.randint(0, 5, (100,))] == 7, 0),
+    ("a != b", lambda: _set7() != _set9().to(torch.uint8), 16),
+    ("clamp keeping 0", lambda: (torch.randint(-5, 5, (100,)) * _set7()).clamp(min=0), 7),
+    ("clamp moving 0", lambda: (torch.randint(-5, 5, (100,)) * _set7()).clamp(min=1), 100),
+    ("x % 3", lambda: (torch.randint(0, 5, (100,)) * _set7()) % 3, 7),
+    ("sum", lambda: _set9().view(10, 10).sum(1), 9),
+    ("sum of all", lambda: _set9().sum(), 1),
+    ("any", lambda: _set9().view(10, 10).any(0), 9),
+    ("sort values", lambda: _set7().sort().values, 7),
+    ("max(a, b)", lambda: torch.max(_set7(), _set9().to(torch.uint8)), 16),
+    ("written through a view", _through_view, 100),
+    (
+        "floats carry none: 0 * inf",
+        lambda: torch.zeros(100, dtype=torch.long) * torch.full((100,), math.inf),
+        100,
+    ),
+]
+
+
+@pytest.mark.parametrize("case,expected", [(c, e) for _, c, e in BOUNDS], ids=[w for w, _, _ in BOUNDS])
+def test_nonzero_bounds_hold_and_are_tight(case: Callable[[], Tensor], expected: int) -> None:
+    # Sound: no real run of the code has more nonzero elements than the bound; tight: the bound is the
+    # count the code allows.
+    most = 0
+    for seed in range(8):
+        torch.manual_seed(seed)
+        most = max(most, int(torch.count_nonzero(case())))
+    mode = TrackingFakeTensorMode(Tracker())
+    with real_path(mode), mode:  # as the simulation runs
+        fake = case()
+    bound = nonzero_bound(fake, real_value)
+    assert most <= bound == expected
+
+
+def test_selections_output_at_most_the_bound() -> None:
+    tracker = Tracker()
+    mode = TrackingFakeTensorMode(tracker)
+    with real_path(mode), mode:
+        x = torch.randn(100, 3)
+        pos, neg = _set7(), _set9()
+        sampled = torch.where(pos | neg)[0]  # torchvision's BalancedPositiveNegativeSampler
+        shapes = [
+            sampled.shape,
+            torch.argwhere(pos.view(10, 10)).shape,
+            torch.nonzero(neg).shape,
+            x[neg].shape,
+            x.masked_select(neg.unsqueeze(1)).shape,
+            torch.unique(torch.randint(0, 50, (100,)) * pos).shape,  # 7 nonzero values, and 0
+        ]
+    assert shapes == [(16,), (7, 2), (9, 1), (9, 3), (27,), (8,)]
+    assumed = [e.assumed for e in tracker.events if isinstance(e, DataDependent)]
+    assert assumed == [
+        "16 of 100 nonzero (the most the ops that made it allow)",
+        "7 of 100 nonzero (the most the ops that made it allow)",
+        "9 of 100 nonzero (the most the ops that made it allow)",
+        "9 of 100 of the mask set (the most the ops that made it allow)",
+        "27 of 300 selected (the most the ops that made it allow)",
+        "all 8 values distinct (at most 7 nonzero, and 0)",
+    ]
+
+
+def test_clamped_floats_cast_to_a_set_of_levels() -> None:
+    # torchvision's FPN LevelMapper: levels from box sizes, clamped to the pyramid's; with one level
+    # (every feature map of one stride) no box is on level 1.
+    def levels(k_min: int, k_max: int) -> Tensor:
+        s = torch.rand(50) * 300
+        target = torch.floor(4 + torch.log2(s / 224) + torch.tensor(1e-6))
+        target = torch.clamp(target, min=k_min, max=k_max)
+        return (target.to(torch.int64) - k_min).to(torch.int64)
+
+    tracker = Tracker()
+    mode = TrackingFakeTensorMode(tracker)
+    with real_path(mode), mode:
+        one = levels(5, 5)
+        four = levels(2, 5)
+        sizes = [len(torch.where(one == level)[0]) for level in (0, 1)]
+        sizes += [len(torch.where(four == level)[0]) for level in (0, 3, 4)]
+        moved = torch.randint(0, 3, (10,)).clamp(0, 2).add(3, alpha=2)
+    assert sizes == [50, 0, 50, 50, 0]
+    sets = [values_in(t, real_value) for t in (one, four, moved)]
+    assert [None if v is None else v.tolist() for v in sets] == [[0], [0, 1, 2, 3], [6, 7, 8]]
+
+
+def test_a_write_through_an_alias_voids_what_was_known() -> None:
+    mode = TrackingFakeTensorMode(Tracker())
+    with real_path(mode), mode:
+        picked = torch.arange(4)[torch.randint(0, 4, (10,))]  # values in 0..3
+        alias = picked.view(2, 5)
+        known_before = values_in(picked, real_value)
+        alias[0, torch.randint(0, 5, (2,))] = 9  # written through the view
+    assert known_before is not None and known_before.tolist() == [0, 1, 2, 3]
+    assert values_in(picked, real_value) is None
+
+
+def _faster_rcnn_case() -> tuple[nn.Module, Any, Callable[[nn.Module, Any], Tensor]]:
+    # The smallest Faster R-CNN whose RoI sampler matters: 96x128 images give ~420 proposals per image,
+    # of which the sampler keeps 128.
+    from torchvision.models.detection import fasterrcnn_mobilenet_v3_large_fpn
+
+    torch.manual_seed(0)
+    model = fasterrcnn_mobilenet_v3_large_fpn(
+        weights=None,
+        weights_backbone=None,
+        num_classes=3,
+        min_size=96,
+        max_size=128,
+        box_batch_size_per_image=128,
+        rpn_batch_size_per_image=64,
+    ).train()
+    images = [torch.rand(3, 96, 128) for _ in range(2)]
+    targets = [
+        {
+            "boxes": torch.tensor([[10.0, 20.0, 60.0, 90.0], [40.0, 30.0, 120.0, 95.0]]),
+            "labels": torch.tensor([1, 2]),
+        },
+        {"boxes": torch.tensor([[5.0, 5.0, 50.0, 70.0]]), "labels": torch.tensor([1])},
+    ]
+
+    def loss_fn(m: nn.Module, batch: Any) -> Tensor:
+        losses = m(*batch)
+        return sum(losses.values())  # type: ignore[no-any-return]
+
+    return model, (images, targets), loss_fn
+
+
+def test_faster_rcnn_samples_its_rois_and_is_exact() -> None:
+    # Issue 13: without the bounds the estimate pooled every proposal (+93 % at 128x160).
+    model, batch, loss_fn = _faster_rcnn_case()
+    est = estimate_step(model, batch, loss_fn=loss_fn, optimizer=torch.optim.SGD, calibrate=True)
+    reads = _reads(est)
+    assert set(reads["aten.nonzero.default"]) >= {
+        "128 of 422 nonzero (the most the ops that made it allow)",  # RoI heads: 128 per image
+        "64 of 840 nonzero (the most the ops that made it allow)",  # RPN: 32 + 32 of 64 per image
+        "0 of 256 nonzero (the most the ops that made it allow)",  # no RoI on the second FPN level
+    }
+    real = measure_step(copy.deepcopy(model), batch, StepConfig(loss_fn=loss_fn, optimizer=torch.optim.SGD))
+    for estimated, measured in (
+        (est.first_step.bytes, real.first_step),
+        (est.steady_state.bytes, real.steady_state),
+    ):
+        assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)

@@ -5,7 +5,9 @@ Where each concept lives: ``events.py`` (the event vocabulary, ``Phase``), ``fak
 batches to fake tensors and back), ``tracker.py`` (the dispatch mode: storage lifetimes, phases ->
 events), ``hooks.py`` (module scopes, saved tensors, storage resizes, told to the tracker),
 ``data_dependent.py`` (a policy for every data-dependent op), ``value_sets.py`` (the values an integer
-tensor can hold), ``pointer_kernels.py`` (kernels that write through data pointers, in Python),
+tensor can hold), ``nonzero_bounds.py`` (how many elements a mask can select, at most),
+``tensor_facts.py`` (what is known of a tensor's values, tied to its storage's writes),
+``pointer_kernels.py`` (kernels that write through data pointers, in Python),
 ``step.py`` (``StepConfig`` and the plain step runner), ``simulate.py`` (the entry point),
 ``distributed.py`` (DDP/FSDP on a fake process group), ``cuda_autocast.py`` (CUDA's autocast op lists,
 for what-ifs), ``real_path.py`` (libraries' tracing checks answered as in a real eager run; the known

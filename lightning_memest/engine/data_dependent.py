@@ -49,6 +49,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves
 
+from lightning_memest.engine.nonzero_bounds import nonzero_bound, spread_bound
 from lightning_memest.engine.value_sets import ValueLookup, int_values, values_in
 from lightning_memest.registry import Op, OpRegistry
 
@@ -266,10 +267,10 @@ def _not_equal(call: Call) -> Answer:
 @POLICIES.register(aten.nonzero, aten.argwhere)
 def _all_nonzero(call: Call) -> Answer:
     t = call.args[0]
-    n = t.numel()
+    n, _ = _set_count(t, call)
     # the CPU kernel's layout: column-major
     out = torch.empty_strided((n, t.dim()), (1, max(n, 1)), dtype=torch.long, device=t.device)
-    return Answer(out, f"every element nonzero ({n} of {n})")
+    return Answer(out, _said(n, t.numel(), f"every element nonzero ({n} of {n})", "nonzero"))
 
 
 @POLICIES.register(aten.nonzero_numpy)
@@ -278,43 +279,52 @@ def _all_nonzero_numpy(call: Call) -> Answer:
     return Answer(tuple(ans.value.unbind(1)), ans.assumed)
 
 
-def _set_count(mask: Tensor, read: ValueLookup, shape: Sequence[int] | None = None) -> tuple[int, bool]:
-    """How many elements of ``mask`` (broadcast to ``shape``) are set: from its real values, else all."""
-    real = read(mask)
+def _set_count(mask: Tensor, call: Call, shape: Sequence[int] | None = None) -> tuple[int, bool]:
+    """How many elements of ``mask`` (broadcast to ``shape``) are set: from its real values (then
+    ``True``), else at most its carried bound (``engine.nonzero_bounds``; every element without one)."""
+    real = call.read(mask)
     if real is not None:
         with unset_fake_temporarily():
             return int(torch.count_nonzero(real.expand(tuple(shape)) if shape is not None else real)), True
-    return math.prod(shape if shape is not None else mask.shape), False
+    n = math.prod(shape if shape is not None else mask.shape)
+    return spread_bound(mask, n, call.read, call.values_in), False
+
+
+def _said(n: int, size: int, every: str, what: str) -> str:
+    """The report's words for ``n`` of ``size`` elements taken: ``every`` when all are, else the bound."""
+    return every if n >= size else f"{n} of {size} {what} (the most the ops that made it allow)"
 
 
 @POLICIES.register(aten.masked_select)
 def _masked_select(call: Call) -> Answer:
     t, mask = call["self"], call["mask"]
     shape = torch.broadcast_shapes(t.shape, mask.shape)  # type: ignore[no-untyped-call]
-    n, known = _set_count(mask, call.read, shape)
+    n, known = _set_count(mask, call, shape)
     out = torch.empty((n,), dtype=t.dtype, device=t.device)
-    return Answer(out, f"the mask's real values ({n} selected)" if known else f"every element selected ({n})")
+    if known:
+        return Answer(out, f"the mask's real values ({n} selected)")
+    return Answer(out, _said(n, math.prod(shape), f"every element selected ({n})", "selected"))
 
 
 @POLICIES.register(aten.index.Tensor)
 def _bool_index(call: Call) -> Answer:
     # A boolean mask of k dims indexes like the k columns of its nonzero(): its set elements (all of
-    # them when its values are unknown).
+    # them when its values are unknown, at most its carried bound).
     t, indices = call.args[0], list(call.args[1])
     expanded: list[Tensor | None] = []
-    selected, all_known = 0, True
+    selected, all_known, size = 0, True, 0
     for index in indices:
         if index is not None and index.dtype in (torch.bool, torch.uint8):
-            n, known = _set_count(index, call.read)
-            selected, all_known = max(selected, n), all_known and known
+            n, known = _set_count(index, call)
+            selected, all_known, size = max(selected, n), all_known and known, max(size, index.numel())
             expanded.extend(
                 torch.empty((n,), dtype=torch.long, device=index.device) for _ in range(index.dim())
             )
         else:
             expanded.append(index)
-    text = f"every element of the mask set ({selected})"
-    if all_known:
-        text = f"the mask's real values ({selected} set)"
+    text = f"the mask's real values ({selected} set)"
+    if not all_known:
+        text = _said(selected, size, f"every element of the mask set ({selected})", "of the mask set")
     return Answer(call.op(t, expanded), text)
 
 
@@ -337,6 +347,10 @@ def _all_distinct(call: Call) -> Answer:
     if possible is not None and possible.numel() < n:
         n = possible.numel()
         text = f"all {n} possible values present"
+    nonzero = nonzero_bound(t, call.read, call.values_in) if dim is None else n
+    if nonzero + 1 < n:  # at most that many nonzero values, and 0
+        n = nonzero + 1
+        text = f"all {n} values distinct (at most {nonzero} nonzero, and 0)"
     long: dict[str, Any] = {"dtype": torch.long, "device": t.device}
     outs = [torch.empty((n,) if dim is None else tuple(t.shape), dtype=t.dtype, device=t.device)]
     inverse_shape = tuple(t.shape) if dim is None else (n,)

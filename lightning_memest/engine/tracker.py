@@ -426,7 +426,7 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
                 self._depth -= 1
 
         out = self.tracker.run_op(run, func, tuple(args), kwargs, self._answer)
-        carry_value_sets(func, args, out, real_value)
+        carry_value_sets(func, args, out, real_value, kwargs)
         return out
 
     def _own(self, args: Sequence[object], kwargs: Mapping[str, object]) -> bool:
