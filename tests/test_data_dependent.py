@@ -309,9 +309,11 @@ def test_torchmetrics_accuracy_updated_in_the_loss(validate_args: bool) -> None:
 
     model = Classifier(validate_args)
     est = estimate_step(
-        model, (torch.randn(16, 8), torch.randint(0, 5, (16,))), loss_fn=loss_fn, optimizer=torch.optim.SGD
+        model, (torch.randn(16, 8), torch.arange(16) % 5), loss_fn=loss_fn, optimizer=torch.optim.SGD
     )
-    assert _reads(est)["aten.bincount.default"] == ["values below minlength (25)"]  # num_classes**2
+    # the confusion matrix's bins, num_classes**2: the value sets work out ``target * 5 + preds`` from
+    # the batch's classes and argmax's positions
+    assert _reads(est)["aten.bincount.default"] == ["values up to 24 (of those possible)"]
     # the metric's state is the real one again
     assert type(model.accuracy.tp) is Tensor and int(model.accuracy.tp.sum()) == 0
 
@@ -598,3 +600,102 @@ def test_faster_rcnn_samples_its_rois_and_is_exact() -> None:
         (est.steady_state.bytes, real.steady_state),
     ):
         assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)
+
+
+def test_stopping_logic_carries_values_and_reads_them() -> None:
+    # A generation loop's "finished?" (transformers' _sample): unknown until the maximum length, then
+    # known through ``full(True) | x``, ``~``, ``x & False``, ``max`` and ``== 0`` -- also of tensors too
+    # large to have known values (more than real_path.VALUE_LIMIT elements).
+    tracker = Tracker()
+    mode = TrackingFakeTensorMode(tracker)
+    with real_path(mode), mode:
+        tokens = torch.randint(0, 100, (4,))  # unknown values
+        unfinished = torch.ones(4, dtype=torch.long)
+        answers = []
+        for done in (False, True):
+            is_done = torch.full((4,), done) | torch.isin(tokens, torch.tensor([7]))
+            unfinished = unfinished & ~is_done
+            answers.append(bool(unfinished.max() == 0))
+        big = torch.full((1 << 21,), True) | (torch.randint(0, 9, (1 << 21,)) == 3)
+        big_sets = [values_in(t, real_value) for t in (big, ~big, big.any(), big.all(), (~big).long().amax())]
+        answers += [bool(big.all()), int((~big).long().sum()), int(torch.where(big[:4], 3, tokens).max())]
+    assert answers == [False, True, True, 0, 3]
+    assert [None if s is None else s.tolist() for s in big_sets] == [[True], [False], [True], [True], [0]]
+    assumed = [e.assumed for e in tracker.events if isinstance(e, DataDependent)]
+    assert assumed == [
+        "False (assumed: an unknown value equals no given value)",
+        "True (the only value it can hold)",
+        "True (the only value it can hold)",
+        "0 (the only value it can hold)",
+        "3 (the only value it can hold)",
+    ]
+
+
+def test_reads_of_comparisons_assume_no_coincidence() -> None:
+    # An unknown value equals no given value: ``==`` and ``isin`` read False, ``!=`` True, through
+    # ``~``, ``any``/``all`` and ``&``/``|``; reads of anything else stay neutral.
+    tracker = Tracker()
+    mode = TrackingFakeTensorMode(tracker)
+    with real_path(mode), mode:
+        tokens = torch.randint(0, 100, (4,))
+        answers = [
+            bool((tokens == 5).any()),
+            bool((tokens != 5).all()),
+            bool(~torch.isin(tokens, torch.tensor([5, 6])).any()),
+            bool(torch.isin(tokens, torch.tensor([5]), invert=True).all() & (tokens != 2).all()),
+            bool((tokens > 5).any()),  # no comparison with a given value: neutral
+            bool((tokens != tokens).any()),  # a value equals itself (a NaN check): neutral
+        ]
+    assert answers == [False, True, True, True, False, False]
+    assumed = [
+        e.assumed.split(" (")[0] + (" assumed" if "assumed" in e.assumed else "")
+        for e in tracker.events
+        if isinstance(e, DataDependent)
+    ]
+    assert assumed == ["False assumed", "True assumed", "True assumed", "True assumed", "False", "False"]
+
+
+def test_elementwise_ops_combine_value_sets() -> None:
+    mode = TrackingFakeTensorMode(Tracker())
+    with real_path(mode), mode:
+        levels = torch.arange(3)[torch.randint(0, 3, (50,))]  # values in 0..2, unknown which
+        flags = torch.arange(2).bool()[torch.randint(0, 2, (50,))]  # False or True
+        found = {
+            "sum": levels + levels * 10,
+            "rsub": 1 - levels,
+            "and": levels & 1,
+            "absorbed": levels * torch.zeros(50, dtype=torch.long),
+            "eq": levels == 1,
+            "not": ~flags,
+            "where": torch.where(flags, levels, 7),
+            "mod": levels % 2,
+        }
+        unknown = torch.randint(0, 9, (50,))
+        none = {"unknown": unknown + levels, "by zero": levels // levels}
+    sets = {k: values_in(t, real_value) for k, t in found.items()}
+    assert {k: None if v is None else v.tolist() for k, v in sets.items()} == {
+        "sum": [0, 1, 2, 10, 11, 12, 20, 21, 22],  # every combination: a superset
+        "rsub": [-1, 0, 1],
+        "and": [0, 1],
+        "absorbed": [0],
+        "eq": [False, True],
+        "not": [False, True],
+        "where": [0, 1, 2, 7],
+        "mod": [0, 1],
+    }
+    assert all(values_in(t, real_value) is None for t in none.values())
+
+
+def test_sets_of_known_values_are_worked_out_once() -> None:
+    # Views of one known mask ask for its set op after op: one ``unique`` each storage write, and none
+    # at all for tensors too large to keep a set of.
+    mode = TrackingFakeTensorMode(Tracker())
+    with real_path(mode), mode:
+        mask = torch.ones(4, 1000, dtype=torch.long)
+        first = values_in(mask, real_value)
+        cached = values_in(mask, real_value)
+        mask.add_(1)  # a write: the cached set is void
+        again = values_in(mask, real_value)
+    assert first is not None and first.tolist() == [1]
+    assert cached is first
+    assert again is not None and again.tolist() == [2]

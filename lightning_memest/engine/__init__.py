@@ -7,6 +7,8 @@ events), ``hooks.py`` (module scopes, saved tensors, storage resizes, told to th
 ``data_dependent.py`` (a policy for every data-dependent op), ``value_sets.py`` (the values an integer
 tensor can hold), ``nonzero_bounds.py`` (how many elements a mask can select, at most),
 ``tensor_facts.py`` (what is known of a tensor's values, tied to its storage's writes),
+``assumed_values.py`` (what an unknown value is assumed not to equal, for upper bounds),
+``read_guard.py`` (a cap on reads of assumed values per call site: no simulated loop spins forever),
 ``pointer_kernels.py`` (kernels that write through data pointers, in Python),
 ``step.py`` (``StepConfig`` and the plain step runner), ``simulate.py`` (the entry point),
 ``distributed.py`` (DDP/FSDP on a fake process group), ``cuda_autocast.py`` (CUDA's autocast op lists,

@@ -18,9 +18,19 @@ Plain ``FakeTensorMode`` raises on each (PyTorch tags such ops ``dynamic_output_
   ``nms`` keeps every box, every sequence of a packed batch is full length -- so memory is not
   under-estimated there. Where the inputs bound nothing (``bincount``'s largest value,
   ``repeat_interleave``'s counts) the assumption is said in the report;
-* **a neutral value** for a scalar read of an unknown value (``.item()``, ``bool(t)``, ``int(t)``,
-  ``torch.equal``): ``0`` / ``0.0`` / ``False`` -- the "nothing unusual happened" branch of typical checks
-  (no inf found, no NaN, not causal), and a harmless number for logging.
+* **one answer for every possible value** for a scalar read (``.item()``, ``bool(t)``, ``int(t)``) of a
+  tensor whose value set (``engine.value_sets``) gives only one: ``x & False``, ``~True``, ``max()`` of
+  zeros, ``== 0`` of them. Exact: a generation loop's "finished?" once its maximum length is reached;
+* **the assumed case** for a scalar read of a comparison of unknown values
+  (``engine.assumed_values``): an unknown value equals no given value, so ``(tokens == eos).any()``
+  reads ``False`` and ``(tokens != eos).all()`` ``True`` -- generation runs to its maximum length (the
+  largest cache) rather than stopping at a token nobody can predict;
+* **a neutral value** for any other scalar read of an unknown value (``.item()``, ``bool(t)``,
+  ``int(t)``, ``torch.equal``): ``0`` / ``0.0`` / ``False`` -- the "nothing unusual happened" branch of
+  typical checks (no inf found, no NaN, not causal), and a harmless number for logging.
+
+A loop whose exit hangs on assumed reads could run forever where the real one ends: reads repeated at
+one line of code are capped (``engine.read_guard``), and the estimate fails there with the line named.
 
 Ops whose fake kernel sizes the output from the arguments alone are listed in
 :data:`FAKE_KERNEL_SUFFICES`. Any other data-dependent op raises ``EstimationError`` naming it.
@@ -49,7 +59,8 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves
 
-from lightning_memest.engine.nonzero_bounds import nonzero_bound, spread_bound
+from lightning_memest.engine.assumed_values import assumed_set
+from lightning_memest.engine.nonzero_bounds import nonzero_bound, set_holds, set_only_zero, spread_bound
 from lightning_memest.engine.value_sets import ValueLookup, int_values, values_in
 from lightning_memest.registry import Op, OpRegistry
 
@@ -73,6 +84,9 @@ class Answer:
     value: Any
     assumed: str
     """What was assumed, in a few words, for the report."""
+    exact: bool = False
+    """Whether the answer is the real run's (its values were known): then a loop repeating the read
+    repeats as the real one does, and no cap applies (``engine.read_guard``)."""
 
 
 @dataclass(frozen=True)
@@ -209,12 +223,14 @@ def _run_real(call: Call) -> Answer | None:
             return None  # the policy answers instead
     device = call.device
     if isinstance(out, Tensor):
-        return Answer(_fake_like(out, device), "the real values")
+        return Answer(_fake_like(out, device), "the real values", exact=True)
     if isinstance(out, tuple):
         return Answer(
-            tuple(_fake_like(o, device) if isinstance(o, Tensor) else o for o in out), "the real values"
+            tuple(_fake_like(o, device) if isinstance(o, Tensor) else o for o in out),
+            "the real values",
+            exact=True,
         )
-    return Answer(out, "its real value")
+    return Answer(out, "its real value", exact=True)
 
 
 def _reals(values: Sequence[Any], read: ValueLookup) -> list[Any] | None:
@@ -250,13 +266,38 @@ def _fake_like(real: Tensor, device: torch.device) -> Tensor:
 
 
 @POLICIES.register(aten._local_scalar_dense, aten.item, aten.is_nonzero)
-def _neutral_scalar(call: Call) -> Answer:
+def _scalar_read(call: Call) -> Answer:
+    # Exact where every value the tensor can hold gives one answer (a generation loop's "finished" flag
+    # once the maximum length is reached); else what the assumed case holds (``engine.assumed_values``:
+    # an unknown value equals no given one -- "not finished", the longer run); else neutral.
     t = call.args[0]
-    if t.dtype == torch.bool:
+    truth = call.op.overloadpacket is aten.is_nonzero or t.dtype == torch.bool
+    exact = _one_answer(call.values_in(t), t, truth)
+    if exact is not None:
+        return Answer(exact, f"{exact} (the only value it can hold)", exact=True)
+    assumed = _one_answer(assumed_set(t), t, truth)
+    if assumed is not None:
+        return Answer(assumed, f"{assumed} (assumed: an unknown value equals no given value)")
+    if truth:
         return Answer(False, "False")
     if t.is_floating_point() or t.is_complex():
         return Answer(0.0, "0.0")
     return Answer(0, "0")
+
+
+def _one_answer(possible: Tensor | None, t: Tensor, truth: bool) -> bool | int | None:
+    """The one answer a read of ``t`` gives for every value in ``possible`` (its truth for ``bool``),
+    or ``None``."""
+    if possible is None or possible.numel() == 0:
+        return None
+    if truth:
+        if set_only_zero(possible):
+            return False
+        return True if not set_holds(possible, 0) else None
+    if possible.numel() != 1 or t.is_floating_point() or t.is_complex():
+        return None
+    with unset_fake_temporarily():
+        return int(possible[0])
 
 
 @POLICIES.register(aten.equal, aten.allclose)

@@ -92,6 +92,8 @@ __all__ = [
     "file_bound",
     "known_number",
     "nonzero_bound",
+    "set_holds",
+    "set_only_zero",
     "spread_bound",
 ]
 
@@ -117,11 +119,35 @@ def nonzero_bound(t: Tensor, read: ValueLookup, values: ValuesOf | None = None) 
     if real is not None:
         return _count(real)
     possible = values(t) if values is not None else None
-    if possible is not None:
-        with unset_fake_temporarily():
-            if not bool(possible.any()):
-                return 0
+    if possible is not None and set_only_zero(possible):
+        return 0
     return n
+
+
+def set_holds(values: Tensor, v: Any) -> bool:
+    """Whether the sorted set ``values`` (a value set, ``engine.value_sets``) holds the number ``v``: a
+    binary search, not a pass over the set (sets of positions run to a vocabulary's size, and a
+    reduction over them wakes the CPU's worker threads at every op)."""
+    n = values.numel()
+    if n == 0:
+        return False
+    with unset_fake_temporarily():
+        if values.dtype == torch.bool:
+            return (not bool(values[0])) if v == 0 else (bool(values[-1]) and v == 1)
+        if values.is_floating_point() or values.is_complex():
+            return bool((values == v).any())
+        if isinstance(v, float) and not v.is_integer():
+            return False
+        low, high = int(values[0]), int(values[-1])
+        if not low <= v <= high:
+            return False
+        at = int(torch.searchsorted(values, torch.tensor([int(v)], dtype=values.dtype)))
+        return at < n and int(values[at]) == v
+
+
+def set_only_zero(values: Tensor) -> bool:
+    """Whether every value of the sorted set ``values`` is 0 (also when it has none)."""
+    return values.numel() == 0 or (values.numel() == 1 and set_holds(values, 0))
 
 
 def spread_bound(t: Any, n: int, read: ValueLookup, values: ValuesOf | None = None) -> int:
@@ -464,11 +490,25 @@ def _compare(op: _Op, n: int) -> int | None:
             return op.spread(a, n) + op.spread(b, n)  # a != b, a > b, a < b: one of them is nonzero
         return None
     possible = op.values(a)
+    if possible is not None and not _some_pass(name, possible, other):
+        return 0  # no value it can hold passes
     with unset_fake_temporarily():
-        if possible is not None and not bool(compare(possible, other).any()):
-            return 0  # no value it can hold passes
         zero_passes = bool(compare(torch.zeros((), dtype=a.dtype), other))
     return None if zero_passes else op.spread(a, n)
+
+
+def _some_pass(name: str, values: Tensor, other: Any) -> bool:
+    """Whether a value of the sorted set ``values`` passes the comparison ``name`` with the number
+    ``other``: from its ends and a search (not a pass over the set)."""
+    if values.numel() == 0:
+        return False
+    if name == "eq":
+        return set_holds(values, other)
+    if name == "ne":
+        return not (values.numel() == 1 and set_holds(values, other))
+    with unset_fake_temporarily():
+        low, high = values[0].item(), values[-1].item()
+    return bool(_COMPARISONS[name](torch.tensor(high if name in ("gt", "ge") else low), other))
 
 
 # --- reductions --------------------------------------------------------------------------------------------

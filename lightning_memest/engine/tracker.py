@@ -47,8 +47,9 @@ from lightning_memest.engine.events import (
 )
 from lightning_memest.engine.fake import local_tensor
 from lightning_memest.engine.pointer_kernels import pointer_kernels
+from lightning_memest.engine.read_guard import ReadGuard
 from lightning_memest.engine.real_path import known_value
-from lightning_memest.engine.value_sets import carry_value_sets
+from lightning_memest.engine.value_sets import carry_value_sets, remember_written_sets
 from lightning_memest.errors import EstimationError
 
 __all__ = [
@@ -106,6 +107,7 @@ class Tracker:
         self.step = 0
         self._forward_stack: list[str] = []
         self._backward_stack: list[str] = []
+        self._read_guard = ReadGuard()  # a loop on assumed reads must fail, not spin
 
     # --- storages -------------------------------------------------------------------------------
     def _register(self, storage: torch.UntypedStorage, resident: bool, events: list[Event]) -> int:
@@ -251,6 +253,8 @@ class Tracker:
                     module=self.module,
                 ) from exc
             self.events.append(DataDependent(str(func), self.module, ans.assumed))
+            if not ans.exact:
+                self._read_guard.count(str(func), self.module, self.step)
             out = ans.value
         except EstimationError:
             raise
@@ -425,6 +429,7 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             finally:
                 self._depth -= 1
 
+        remember_written_sets(func, args, real_value)  # what a write is about to forget
         out = self.tracker.run_op(run, func, tuple(args), kwargs, self._answer)
         carry_value_sets(func, args, out, real_value, kwargs)
         return out
