@@ -10,7 +10,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from typing_extensions import override
 
-from lightning_memest.adapter.fit import fit_setup
+from lightning_memest.adapter.fit import dataset_length, first_batch, fit_setup, train_loader
 from lightning_memest.batches import batch_size_of
 from lightning_memest.budget import device_budget, parse_size
 from lightning_memest.errors import MemestError, MemoryBudgetError
@@ -37,7 +37,8 @@ class FitBatchSize(Callback):
             device has (``lightning_memest.budget.device_budget``, with its margin model).
         margin: the fraction of the budget kept back for safety (0.1: the peak stays within 90 %).
         attr_name: where the batch size lives (``lightning_getattr``'s names).
-        max_batch_size: the largest batch size considered.
+        max_batch_size: the largest batch size considered; never more than the length of the train
+            dataset (as Lightning's ``BatchSizeFinder``; iterable-style datasets have none).
         raise_if_none_fits: when not even batch size 1 fits, raise
             :class:`~lightning_memest.errors.MemoryBudgetError` (stopping ``fit`` before any step);
             otherwise warn and leave the batch size alone.
@@ -97,11 +98,16 @@ class FitBatchSize(Callback):
             raise MemestError(f"FitBatchSize: {self.attr_name!r} must be an int; it is {value!r}")
         current = value
         budget = self._budget(trainer, pl_module)
-        fit = fit_setup(trainer, pl_module)
+        loader = train_loader(trainer)
+        fit = fit_setup(trainer, pl_module, first_batch(trainer, pl_module, loader))
         # The dataloader may batch differently from the attribute (a sampler, a collate); resize what it
         # yields, and say so if they differ.
         seen = batch_size_of(fit.batch)
-        result = fit.max_batch_size(budget, batch_size=seen, cap=self.max_batch_size)
+        # As Lightning's BatchSizeFinder: no batch larger than the dataset (it would only ever be one
+        # partial batch of all the samples).
+        length = dataset_length(loader) if loader is not None else None
+        cap = self.max_batch_size if length is None else max(1, min(self.max_batch_size, length))
+        result = fit.max_batch_size(budget, batch_size=seen, cap=cap)
         self.result = result
         best = _min_over_ranks(trainer, result.max_batch_size)
         if best == 0:
@@ -123,8 +129,12 @@ class FitBatchSize(Callback):
         val_loop = trainer.fit_loop.epoch_loop.val_loop
         val_loop._combined_loader = None
         note = "" if seen == current else f" (the dataloader yielded batches of {seen})"
+        if length is not None and cap == length and best == length:
+            why = f"capped at the length of the train dataset ({length} samples), which fits"
+        else:
+            why = result.message
         rank_zero_info(
-            f"FitBatchSize: {self.attr_name} {current} -> {best}{note}: {result.message}; "
+            f"FitBatchSize: {self.attr_name} {current} -> {best}{note}: {why}; "
             f"{len(result.probes)} estimates in {result.seconds:.1f} s"
         )
 

@@ -2,8 +2,9 @@
 
 The user's module is changed in place for the simulation (so that ``self`` inside their code is the
 module they wrote) and restored exactly afterwards: every module's attributes (also ones set lazily
-inside ``forward``, such as a cached positional-encoding tensor), parameters, buffers, submodules and
-training flags. The original ``Parameter`` objects are never touched, so ``requires_grad``, ``.grad``
+inside ``forward``, such as a cached positional-encoding tensor), parameters, buffers, submodules,
+training flags, and every list, dict, set, deque or plain object reachable from them
+(``engine.containers``). The original ``Parameter`` objects are never touched, so ``requires_grad``, ``.grad``
 and the values stay as they were.
 
 No real memory is allocated: real tensors become fake through ``FakeTensorMode.from_tensor`` (which
@@ -12,10 +13,8 @@ keeps shared storages shared), meta and foreign tensors through ``from_meta_and_
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from lightning_memest.batches import map_tensors
+from lightning_memest.engine.containers import Reachable
 
 __all__ = [
     "FakeConverter",
@@ -31,17 +31,6 @@ __all__ = [
     "resident_tensors",
     "setattr_raw",
 ]
-
-
-@dataclass
-class _ModuleSnapshot:
-    module: nn.Module
-    cls: type[nn.Module]
-    attributes: dict[str, Any]
-    containers: dict[str, Any]
-    """Copies of the dicts and sets in the module's ``__dict__`` (``_parameters``, ``_buffers``, the hook
-    dicts, ...): their contents are restored, not only the reference, because code adds to them in
-    place (``register_buffer`` inside forward, lazy modules, FSDP's hooks)."""
 
 
 class FakeConverter:
@@ -102,26 +91,20 @@ class FakeConverter:
 @contextmanager
 def fake_module(module: nn.Module, converter: FakeConverter) -> Iterator[nn.Module]:
     """Inside the block, ``module`` holds fake tensors; on exit it is exactly as it was."""
-    snapshots = [
-        _ModuleSnapshot(
-            m,
-            type(m),
-            dict(vars(m)),
-            {name: type(v)(v) for name, v in vars(m).items() if type(v) in _CONTAINERS},
-        )
-        for m in module.modules()
-    ]
+    modules = [(m, type(m)) for m in module.modules()]
+    # Contents, not only references: code adds in place to the hook dicts (FSDP), ``_buffers``
+    # (``register_buffer`` inside forward, lazy modules) and the user's lists, dicts, sets and objects.
+    reachable = Reachable(m for m, _ in modules)
     composed = _composable_modules()
     try:
-        for snap in snapshots:
-            m = snap.module
+        for m, _ in modules:
             for name, p in list(m._parameters.items()):
                 if p is not None:
                     m._parameters[name] = converter.parameter(p)
             for name, b in list(m._buffers.items()):
                 if b is not None:
                     m._buffers[name] = converter.tensor(b)
-            for name, value in snap.attributes.items():
+            for name, value in list(vars(m).items()):
                 # Plain tensor attributes (not registered as buffers) are read by forward too, and
                 # lists of parameters kept beside _parameters (nn.LSTM's _flat_weights) must follow.
                 if isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
@@ -131,24 +114,15 @@ def fake_module(module: nn.Module, converter: FakeConverter) -> Iterator[nn.Modu
         yield module
     finally:
         _forget_composable_state(composed)
-        for snap in snapshots:
-            if type(snap.module) is not snap.cls:
-                snap.module.__class__ = snap.cls  # fully_shard makes each unit an FSDPModule subclass
-            state = vars(snap.module)
-            state.clear()
-            state.update(snap.attributes)
-            for name, saved in snap.containers.items():
-                container = state[name]
-                container.clear()
-                container.update(saved)
+        for m, cls in modules:
+            if type(m) is not cls:
+                m.__class__ = cls  # fully_shard makes each unit an FSDPModule subclass
+        reachable.restore()
 
 
 def setattr_raw(module: nn.Module, name: str, value: Any) -> None:
     """Set an instance attribute without nn.Module's ``__setattr__`` bookkeeping."""
     object.__setattr__(module, name, value)
-
-
-_CONTAINERS = (dict, OrderedDict, set)
 
 
 def _composable_modules() -> dict[nn.Module, Any] | None:
