@@ -24,12 +24,15 @@ Example:
 from __future__ import annotations
 
 import gc
+import os
+import sys
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 __all__ = ["CpuMemoryProfile", "Window", "quiet_gc", "window_figures"]
@@ -45,16 +48,47 @@ class CpuMemoryProfile(profile):
         # torch 2.11's profiler warns once per process, when a profile starts, that it "clears events
         # at the end of each cycle": true and irrelevant here (one cycle per measurement), and it
         # would land in the middle of a CLI's or a fit's output.
-        with warnings.catch_warnings():
+        before = torch.empty(1)  # allocated before the profile: its free below primes a warning
+        with warnings.catch_warnings(), _quiet_stderr():
             warnings.filterwarnings("ignore", message="Warning: Profiler clears events")
             super().__enter__()  # type: ignore[no-untyped-call]
+            # The CPU allocator warns once per process, from C++, at the first free of a block made
+            # before a profile started (every measured step frees some): say it here, to no one.
+            del before
         return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _quiet_stderr():
+            super().__exit__(*exc)  # type: ignore[no-untyped-call]
 
     def allocator_events(self) -> list[Any]:
         """Every event of the finished profile, the ``[memory]`` ones among them (kineto's list;
         ``events()`` of the profile itself holds only a few dozen memory events)."""
         assert self.profiler is not None and self.profiler.kineto_results is not None
         return list(self.profiler.kineto_results.events())
+
+
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Nothing written to the process's stderr (file descriptor 2) gets out while the profiler starts
+    and stops: Kineto logs ``profiler_start``/``profiler_stop`` lines there each time, and on a machine
+    without a GPU ``gpuGetDeviceCount failed`` once, from C++ (so neither ``sys.stderr`` nor logging
+    can catch them; ``KINETO_LOG_LEVEL`` is read only when the process's first profile starts). Only
+    these moments are silenced, not the work measured between them."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr at all (a daemon, pythonw): nothing to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 @contextmanager

@@ -13,6 +13,11 @@ exactly the same cases as the command line:
 :func:`build_case` puts them together into a :class:`Case`; :func:`estimate_case` and
 :func:`measure_case` run the estimator and the ground truth on it.
 
+Nothing that grows with the batch is real until a real step needs it: building a case checks the
+input against the model on fake tensors, the estimate gets the batch's shapes on the meta device
+(:attr:`Case.estimate_batch`), and only :func:`measure_case` materialises its values
+(:attr:`Case.batch`, seeded). So a batch of any size can be estimated on any machine.
+
 Example:
     >>> from lightning_memest.cases import InputSpec, build_case, measure_case
     >>> case = build_case("torch.nn:Linear", InputSpec(batch_size=4, shape=(8,)),
@@ -42,6 +47,8 @@ from torch import Tensor, nn
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.batches import resize_batch
 from lightning_memest.engine.distributed import Strategy
+from lightning_memest.engine.inference_step import PlainLoop
+from lightning_memest.engine.real_path import VALUE_LIMIT
 from lightning_memest.engine.step import (
     LossFn,
     OptimizerFactory,
@@ -52,8 +59,9 @@ from lightning_memest.engine.step import (
     sum_loss,
     true_dtype,
 )
-from lightning_memest.errors import SpecError
+from lightning_memest.errors import SpecError, one_line
 from lightning_memest.estimate import estimate
+from lightning_memest.index_bounds import IndexBounds, OutOfBoundsError
 from lightning_memest.measure import Measurement, measure_step
 from lightning_memest.report import StepEstimate
 
@@ -187,12 +195,28 @@ class InputSpec:
         elif self.vocab is not None:
             raise SpecError("a vocabulary size only goes with token inputs")
 
-    def make(self) -> Tensor:
-        """A new random input (from the current torch RNG)."""
+    @property
+    def dtype(self) -> torch.dtype:
+        """float32 for ``shape`` inputs, int64 for token ids."""
+        return torch.float32 if self.shape is not None else torch.int64
+
+    def sizes(self, rows: int | None = None) -> tuple[int, ...]:
+        """The input's shape, with ``rows`` rows (default: the batch size)."""
+        n = self.batch_size if rows is None else rows
+        return (n, *self.shape) if self.shape is not None else (n, self.tokens or 0)
+
+    @property
+    def value_range(self) -> tuple[int, int] | None:
+        """The values token ids can take (``0 .. vocab - 1``); ``None`` for float inputs."""
+        return None if self.vocab is None else (0, self.vocab - 1)
+
+    def make(self, rows: int | None = None, *, generator: torch.Generator | None = None) -> Tensor:
+        """A new random input of ``rows`` rows (default: the batch size), from ``generator`` (default:
+        the current torch RNG)."""
         if self.shape is not None:
-            return torch.randn(self.batch_size, *self.shape)
-        assert self.tokens is not None and self.vocab is not None  # __post_init__ checked it
-        return torch.randint(0, self.vocab, (self.batch_size, self.tokens))
+            return torch.randn(self.sizes(rows), generator=generator)
+        assert self.vocab is not None  # __post_init__ checked it
+        return torch.randint(0, self.vocab, self.sizes(rows), generator=generator)
 
     def describe(self) -> str:
         """``'batch 8 x 3x224x224'`` or ``'batch 8 x 128 tokens < 50257'``."""
@@ -293,48 +317,67 @@ def _quiet_logger(name: str) -> Iterator[None]:
         logger.disabled = disabled
 
 
-def _fake_forward_shape(model: nn.Module, x: Tensor) -> torch.Size:
+def _bounds(model: nn.Module, input: InputSpec, x: Tensor) -> IndexBounds:
+    """Index ops of the forward checked against the values ``x`` is made with (``index_bounds``)."""
+    ranges = {}
+    if input.value_range is not None:
+        ranges[x] = (*input.value_range, "the token ids")
+    return IndexBounds(ranges, names={**dict(model.named_parameters()), **dict(model.named_buffers())})
+
+
+def _fake_forward_shape(model: nn.Module, input: InputSpec) -> torch.Size:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # FakeTensorMode logs a traceback when a meta kernel rejects its inputs; here that is an answer
     # (the input does not fit), which output_shape reports in one line of its own.
     quiet = _quiet_logger("torch._subclasses.fake_tensor")
     # allow_non_fake_inputs: the real parameters are converted on first use; nothing real is computed.
-    with quiet, _restored(model), torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
-        return first_output(model(mode.from_tensor(x))).shape
+    with quiet, _restored(model), torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(input.sizes(), dtype=input.dtype)  # fake: a batch of any size costs nothing
+        with _bounds(model, input, x):
+            return first_output(model(x)).shape
 
 
-def _real_forward_shape(model: nn.Module, x: Tensor) -> torch.Size:
+def _real_forward_shape(model: nn.Module, input: InputSpec) -> torch.Size:
     # Two rows rather than one: batch-norm in training mode rejects a single value per channel.
-    rows = min(x.shape[0], 2)
-    with _restored(model), torch.no_grad():
-        shape = first_output(model(x[:rows])).shape
-    return torch.Size((x.shape[0], *shape[1:]))
+    x = input.make(rows=min(input.batch_size, 2), generator=torch.Generator().manual_seed(0))
+    with _restored(model), torch.no_grad(), _bounds(model, input, x):
+        shape = first_output(model(x)).shape
+    return torch.Size((input.batch_size, *shape[1:]))
 
 
-def output_shape(model: nn.Module, x: Tensor) -> torch.Size:
-    """The shape of the model's (first) output on ``x``, leaving the model as it was.
+def output_shape(model: nn.Module, input: InputSpec) -> torch.Size:
+    """The shape of the model's (first) output on an input of ``input``, leaving the model as it was.
 
-    The forward runs on fake tensors, so it costs no real compute or memory. Where that fails (a
-    forward that reads tensor values, such as ``.item()`` or a mask check, which fake tensors cannot
-    answer), it runs for real on the first two rows of ``x`` under ``no_grad`` and the batch size is
-    put back; buffers and attributes the forward changed are restored either way. An input the model
-    rejects raises :class:`SpecError` with the model's own message.
+    The forward runs on fake tensors, so it costs no real compute or memory at any batch size. Where
+    that fails (a forward that reads tensor values, such as ``.item()`` or a mask check, which fake
+    tensors cannot answer), it runs for real on two rows under ``no_grad`` and the batch size is put
+    back; buffers and attributes the forward changed are restored either way. Index ops are checked
+    against the values the input is made with (token ids ``0 .. vocab - 1``, and positions from
+    them; see ``index_bounds``). An input the model rejects raises :class:`SpecError` with the
+    model's own message.
 
-    >>> output_shape(torch.nn.Linear(8, 3), torch.randn(5, 8))
+    >>> output_shape(torch.nn.Linear(8, 3), InputSpec(batch_size=5, shape=(8,)))
     torch.Size([5, 3])
-    """
+    >>> output_shape(torch.nn.Embedding(10, 4), InputSpec(batch_size=2, tokens=3, vocab=500))
+    Traceback (most recent call last):
+    ...
+    lightning_memest.errors.SpecError: the model rejects the input: the token ids (0 .. 499) index weight (aten.embedding), which has 10 rows: the real step fails with IndexError: index out of range in self
+    """  # noqa: E501
     try:
-        return _fake_forward_shape(model, x)
+        return _fake_forward_shape(model, input)
+    except OutOfBoundsError as e:
+        raise SpecError(f"the model rejects the input: {e}") from None
     except Exception as fake_error:
         try:
-            return _real_forward_shape(model, x)
+            return _real_forward_shape(model, input)
+        except OutOfBoundsError as e:
+            raise SpecError(f"the model rejects the input: {e}") from None
         except Exception as e:
-            message = " ".join(str(e).split()) or type(e).__name__
-            rows = f" (tried for real on its first {min(x.shape[0], 2)} rows)" if x.shape[0] > 2 else ""
-            raise SpecError(
-                f"the model rejected an input of shape {tuple(x.shape)}{rows}: {message}"
-            ) from fake_error
+            message = one_line(e)
+            shape = tuple(input.sizes())
+            rows = f" (tried for real on its first {min(input.batch_size, 2)} rows)" if shape[0] > 2 else ""
+            raise SpecError(f"the model rejected an input of shape {shape}{rows}: {message}") from fake_error
 
 
 # ---------------------------------------------------------------------------------------------- cases
@@ -342,19 +385,60 @@ def output_shape(model: nn.Module, x: Tensor) -> torch.Size:
 
 @dataclass(frozen=True)
 class Case:
-    """A model, a batch and a step configuration, ready for :func:`estimate_case` / :func:`measure_case`.
+    """A model, its input and a step configuration, ready for :func:`estimate_case` /
+    :func:`measure_case`.
 
-    ``batch`` is the input tensor (``sum`` loss) or ``(input, target)`` (``cross_entropy``): the target
+    The batch is the input tensor (``sum`` loss) or ``(input, target)`` (``cross_entropy``: the target
     is made before the first step, so it is part of what is resident, in the estimate and the
-    measurement alike. The model is on the CPU, in float32; the ``*-true`` conversion and the move to a
-    device happen in :func:`estimate_case` / :func:`measure_case`.
+    measurement alike). It exists in two forms: :attr:`estimate_batch` (shapes on the meta device:
+    what the estimator needs, at no cost) and :attr:`batch` (real values, seeded, made on first use:
+    what a real step needs). The model is on the CPU, in float32; the ``*-true`` conversion and the
+    move to a device happen in :func:`estimate_case` / :func:`measure_case`.
+
+    Example:
+        >>> case = build_case("torch.nn:Linear", InputSpec(batch_size=100_000, shape=(8,)),
+        ...                   model_kwargs={"in_features": 8, "out_features": 3})
+        >>> x, target = case.estimate_batch  # 3.2 MB of inputs: not made (the class ids are followed)
+        >>> x.device.type, target.device.type
+        ('meta', 'cpu')
     """
 
     spec: str
     model: nn.Module
-    batch: Any
     config: StepConfig
     input: InputSpec
+    target: tuple[tuple[int, ...], int] | None
+    """The cross-entropy target's shape and number of classes (``None`` for the ``sum`` loss)."""
+    seed: int = 0
+
+    def _batch(self, real: Callable[[Tensor], bool]) -> Any:
+        """The batch, each tensor real where ``real(meta_tensor)`` says so, else on the meta device.
+        Values come from a generator seeded per tensor, so every form holds the same values."""
+
+        def tensor(k: int, meta: Tensor, make: Callable[[torch.Generator], Tensor]) -> Tensor:
+            return make(torch.Generator().manual_seed(self.seed * 2 + k)) if real(meta) else meta
+
+        spec = self.input
+        inputs = torch.empty(spec.sizes(), dtype=spec.dtype, device="meta")
+        x = tensor(0, inputs, lambda g: spec.make(generator=g))
+        if self.target is None:
+            return x
+        shape, classes = self.target
+        ids = torch.empty(shape, dtype=torch.int64, device="meta")
+        return x, tensor(1, ids, lambda g: torch.randint(0, classes, shape, generator=g))
+
+    @property
+    def estimate_batch(self) -> Any:
+        """The batch for the estimator: shapes on the meta device, but integer tensors small enough for
+        the simulation to follow their values (``engine.real_path``: token ids, class ids; at most
+        ``VALUE_LIMIT`` elements, whatever the batch size), which hold the values :attr:`batch` has --
+        so a step that reads them reads the same in both runs."""
+        return self._batch(lambda t: not t.is_floating_point() and t.numel() <= VALUE_LIMIT)
+
+    @functools.cached_property
+    def batch(self) -> Any:
+        """The batch with real values, for real steps (made on first use, the same values each time)."""
+        return self._batch(lambda t: True)
 
 
 def build_case(
@@ -367,7 +451,8 @@ def build_case(
     precision: str = "32-true",
     seed: int = 0,
 ) -> Case:
-    """Build the model and the batch of one case, seeded so that every build gives the same values.
+    """Build the model of one case (seeded, so that every build gives the same weights) and check the
+    input against it, on fake tensors: nothing of the batch is made yet (see :class:`Case`).
 
     Raises :class:`SpecError` for anything the settings cannot make (unknown model, bad loss or
     optimizer name, an input the model rejects, an output cross entropy cannot use).
@@ -388,22 +473,18 @@ def build_case(
     torch.manual_seed(seed)
     model = build_model(spec, model_kwargs)
     model.train()
-    x = input.make()
     # Always probe: it turns an input the model rejects into one clear error before any real run.
-    out_shape = output_shape(model, x)
-    loss_fn: LossFn
-    batch: Any
+    out_shape = output_shape(model, input)
+    loss_fn: LossFn = sum_loss
+    target = None
     if loss == "cross_entropy":
         if len(out_shape) < 2:
             raise SpecError(
                 f"cross_entropy needs an output with a class dimension last; {spec!r} returns shape "
                 f"{tuple(out_shape)} (use --loss sum)"
             )
-        target = torch.randint(0, out_shape[-1], tuple(out_shape[:-1]))
-        batch, loss_fn = (x, target), cross_entropy_loss
-    else:
-        batch, loss_fn = x, sum_loss
-    return Case(spec, model, batch, StepConfig(loss_fn=loss_fn, optimizer=opt, precision=prec), input)
+        target, loss_fn = (tuple(out_shape[:-1]), int(out_shape[-1])), cross_entropy_loss
+    return Case(spec, model, StepConfig(loss_fn=loss_fn, optimizer=opt, precision=prec), input, target, seed)
 
 
 def _convert_batch(batch: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
@@ -424,19 +505,27 @@ def estimate_case(
     strategy: Strategy | None = None,
     gpu: CudaDevice | None = None,
     calibrate: bool = False,
+    loop: PlainLoop = "train",
 ) -> StepEstimate:
     """Estimate the case (the model is untouched; with a ``strategy``, as one rank of it; with
-    ``calibrate``, the kernels measured on this machine, see ``estimate_step``).
+    ``calibrate``, the kernels measured on this machine; ``loop``: a training step, or one validation
+    or predict batch; see ``estimate_step``).
 
     The estimator converts for ``*-true`` precisions and places the fake tensors on ``device`` itself,
     so the CPU float32 model and batch go in as they are.
     """
     config = case.config if strategy is None else dataclasses.replace(case.config, strategy=strategy)
-    return estimate(case.model, case.batch, config, device=device, steps=steps, gpu=gpu, calibrate=calibrate)
+    batch = _for_loop(case, case.estimate_batch, loop)
+    return estimate(
+        case.model, batch, config, device=device, steps=steps, gpu=gpu, calibrate=calibrate, loop=loop
+    )
 
 
-def measure_case(case: Case, *, device: str = "cpu", steps: int = 2) -> Measurement:
-    """Run and measure real training steps of the case; **trains ``case.model`` in place**.
+def measure_case(
+    case: Case, *, device: str = "cpu", steps: int = 2, loop: PlainLoop = "train"
+) -> Measurement:
+    """Run and measure real training steps of the case; **trains ``case.model`` in place**. ``loop``:
+    a validation or predict batch instead (one; the model is left as it was).
 
     For ``*-true`` precisions the model and the float inputs are converted first (``measure_step``
     expects that of its caller); for ``cuda`` they are moved to the current CUDA device.
@@ -451,26 +540,31 @@ def measure_case(case: Case, *, device: str = "cpu", steps: int = 2) -> Measurem
     if dtype is not None:
         model = model.to(dtype)
     model = model.to(target)
-    batch = _convert_batch(case.batch, target, dtype)
+    batch = _convert_batch(_for_loop(case, case.batch, loop), target, dtype)
     try:
-        return measure_step(model, batch, case.config, steps=steps)
+        return measure_step(model, batch, case.config, steps=steps if loop == "train" else 1, loop=loop)
     except torch.OutOfMemoryError:
         raise
     except Exception as e:
         # The real step runs the user's model on real values, which can fail where the shapes fitted
         # (token ids beyond an embedding's size, say): a problem of the case, not of the measurement.
-        message = " ".join(str(e).split()) or type(e).__name__
-        raise SpecError(f"the real training step failed: {type(e).__name__}: {message}") from e
+        what = "training step" if loop == "train" else f"{loop} batch"
+        raise SpecError(f"the real {what} failed: {type(e).__name__}: {one_line(e)}") from e
+
+
+def _for_loop(case: Case, batch: Any, loop: PlainLoop) -> Any:
+    """A predict batch is the input alone: nothing to compare a prediction with."""
+    return batch[0] if loop == "predict" and case.target is not None else batch
 
 
 def case_batch_maker(case: Case) -> Callable[[int], Any]:
     """``make_batch`` for a :class:`Case`: its batch (the input, and the
-    cross-entropy target made from the output's shape) resized on the meta device.
+    cross-entropy target made from the output's shape) resized, on the meta device.
 
     >>> case = build_case("torch.nn:Linear", InputSpec(batch_size=4, shape=(8,)),
     ...                   model_kwargs={"in_features": 8, "out_features": 3})
     >>> [tuple(t.shape) for t in case_batch_maker(case)(100)]
     [(100, 8), (100,)]
     """
-    old = case.input.batch_size
-    return lambda n: resize_batch(case.batch, old, n)
+    old, batch = case.input.batch_size, case.estimate_batch
+    return lambda n: resize_batch(batch, old, n)

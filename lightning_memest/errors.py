@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["EstimationError", "MemestError", "MemoryBudgetError", "SpecError", "TraceError"]
+__all__ = ["EstimationError", "MemestError", "MemoryBudgetError", "SpecError", "TraceError", "one_line"]
 
 
 class MemestError(Exception):
@@ -59,3 +59,13 @@ class TraceError(MemestError):
 class SpecError(MemestError):
     """A setting that cannot make a case (``lightning_memest.cases``, the ``memest`` command line): an
     unknown model, a bad shape, an input the model rejects."""
+
+
+def one_line(e: BaseException) -> str:
+    """An error's message on one line (for a CLI error, a table cell, a warning); its type's name when
+    it has no message.
+
+    >>> one_line(ValueError("Expected more than 1 value  per channel "))
+    'Expected more than 1 value per channel'
+    """
+    return " ".join(str(e).split()) or type(e).__name__

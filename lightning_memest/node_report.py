@@ -75,9 +75,13 @@ NODE_ORDERS: Final = (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class GraphProfile:
-    """The node-level profile of one training step (first step; see ``fx.profile_graph``)."""
+    """The node-level profile of one training step (first step; see ``fx.profile_graph``).
+
+    ``print(profile)`` is one line for people (:meth:`table` has the nodes); ``repr`` counts the
+    nodes rather than listing them.
+    """
 
     nodes: tuple[NodeProfile, ...]
     """One per graph node, in graph order."""
@@ -89,6 +93,23 @@ class GraphProfile:
     """Wall seconds of the simulation."""
     graph_module: torch.fx.GraphModule = field(repr=False, compare=False)
     """The graph that ran (the one given, or the trace of the module given); see ``fx.annotate``."""
+    approximate: bool = False
+    """A CUDA what-if on a machine without a GPU (as ``StepEstimate.approximate``)."""
+
+    def __repr__(self) -> str:
+        t = self.totals
+        return (
+            f"<GraphProfile {self.device} {self.precision}: {len(self.nodes):,} nodes, saved "
+            f"{t.saved_bytes:,} B, {t.fwd_flops + t.bwd_flops:,} FLOPs>"
+        )
+
+    def __str__(self) -> str:
+        t = self.totals
+        return (
+            f"Node profile ({self.device}, {self.precision}; first step): {len(self.nodes)} nodes save "
+            f"{format_bytes(t.saved_bytes)} for backward; forward {human_flops(t.fwd_flops)}, backward "
+            f"{human_flops(t.bwd_flops)}"
+        )
 
     @property
     def totals(self) -> GraphTotals:
@@ -124,7 +145,8 @@ class GraphProfile:
         return [_row(n) for n in self.ordered(by, top)]
 
     def to_json(self, by: str = "graph", top: int | None = None) -> dict[str, Any]:
-        """``{"nodes": rows, "outside": row, "totals": {...}, "device", "precision", "seconds"}``."""
+        """``{"nodes": rows, "outside": row, "totals": {...}, "device", "precision", "seconds",
+        "approximate"}``."""
         return {
             "nodes": self.rows(by, top),
             "outside": _row(self.outside),
@@ -132,6 +154,7 @@ class GraphProfile:
             "device": self.device,
             "precision": self.precision,
             "seconds": round(self.seconds, 4),
+            "approximate": self.approximate,
         }
 
     def table(self, top: int | None = None, by: str = "graph") -> str:

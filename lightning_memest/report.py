@@ -54,6 +54,12 @@ class Breakdown:
         for f in fields(self):
             yield f.name, getattr(self, f.name)
 
+    def __str__(self) -> str:
+        """What the bytes hold, in words: ``'parameters 42.65 MiB, gradients 42.65 MiB, ...'`` (roles
+        holding nothing are left out)."""
+        held = [f"{name.replace('_', ' ')} {format_bytes(n)}" for name, n in self.items() if n]
+        return ", ".join(held) or "nothing"
+
 
 @dataclass(frozen=True)
 class Peak:
@@ -71,8 +77,13 @@ class Peak:
     module: str
     """Dotted path of the innermost module running then (``""`` for the root or outside any module)."""
 
+    def __str__(self) -> str:
+        """``'290.19 MiB in step 2 (aten.mm.default in fc, backward)'``."""
+        where = f"{self.op} in {self.module or '(root)'}, {self.phase.value}"
+        return f"{format_bytes(self.bytes)} in step {self.step} ({where})"
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, repr=False)
 class ModuleStats:
     """One node of the per-module tree (figures of the first step; a module includes its children)."""
 
@@ -96,6 +107,24 @@ class ModuleStats:
         yield self
         for child in self.children or ():
             yield from child.walk()
+
+    def __repr__(self) -> str:
+        # The tree below is summed up, not spelled out: a model's tree runs to thousands of lines.
+        below = sum(1 for _ in self.walk()) - 1
+        return (
+            f"<ModuleStats {self.path or '(root)'} ({self.type_name}): saved {self.saved_bytes:,} B, "
+            f"{below:,} modules below>"
+        )
+
+    def __str__(self) -> str:
+        """One line: the module, its parameters, what it saves for backward, its FLOPs."""
+        flops = "" if self.forward_flops is None else f", forward {human_flops(self.forward_flops)}"
+        if self.backward_flops is not None:
+            flops += f", backward {human_flops(self.backward_flops)}"
+        return (
+            f"{self.path or '(root)'} ({self.type_name}): parameters {format_bytes(self.parameter_bytes)}, "
+            f"saved for backward {format_bytes(self.saved_bytes)}{flops}"
+        )
 
 
 @dataclass(frozen=True)
@@ -147,7 +176,7 @@ class OpFlops:
     other: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, repr=False)
 class FlopCount:
     """FLOPs of the first training step; a phase that did not run (no op in it) is ``None``."""
 
@@ -180,6 +209,20 @@ class FlopCount:
                 return m
         return None
 
+    def __repr__(self) -> str:
+        return (
+            f"<FlopCount forward {self.forward:,}, backward {self.backward or 0:,}, optimizer "
+            f"{self.optimizer or 0:,}, other {self.other_total:,}; {len(self.modules):,} modules, "
+            f"{len(self.ops):,} ops>"
+        )
+
+    def __str__(self) -> str:
+        """``'forward 1.82 GFLOP, backward 3.52 GFLOP, optimizer 0 FLOP (other 51.20 MFLOP)'``."""
+        return (
+            f"forward {human_flops(self.forward)}, backward {human_flops(self.backward or 0)}, optimizer "
+            f"{human_flops(self.optimizer or 0)} (other {human_flops(self.other_total)})"
+        )
+
 
 @dataclass(frozen=True)
 class KernelSource:
@@ -206,9 +249,12 @@ class CalibrationSummary:
     """Ops with signatures that could not be measured (their hand models hold)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class StepEstimate:
     """The estimate of a training step's memory, for each simulated step.
+
+    ``print(est)`` gives a few lines for people; ``repr(est)`` one line (the timeline and the module
+    tree are counted, not listed).
 
     Example:
         >>> import torch
@@ -216,6 +262,14 @@ class StepEstimate:
         >>> est = estimate_step(torch.nn.Linear(512, 512), torch.randn(64, 512), optimizer=torch.optim.Adam)
         >>> est.steady_state.bytes > est.first_step.bytes - 1
         True
+        >>> print(est)  # doctest: +ELLIPSIS
+        Estimated train step (cpu, 32-true)
+          peak, first step:   ... MiB in step 1 (... in (root), optimizer)
+          peak, steady state: ... MiB in step 2 (... in (root), optimizer)
+          at that peak: parameters 1.00 MiB, gradients 1.00 MiB, optimizer state 2.00 MiB, ...
+          FLOPs: forward 33.55 MFLOP, backward 33.55 MFLOP, optimizer 0 FLOP (other ...)
+        >>> est  # doctest: +ELLIPSIS
+        <StepEstimate cpu 32-true: step 1 ... B, step 2 ... B, 67,108,864 FLOPs; 1 modules, ... points>
     """
 
     device: str
@@ -247,6 +301,35 @@ class StepEstimate:
     reads_values: bool = False
     """Whether the step's code read tensor values (the batch's lengths, masks, positions): the figures
     then hold for batches with these values, not every batch of these shapes."""
+    loop: str = "train"
+    """What each simulated step ran: ``"train"`` (forward, backward, optimizer step), or one batch of a
+    forward-only loop, ``"validate"``, ``"test"`` or ``"predict"`` (``validation_step``, ...)."""
+
+    def __repr__(self) -> str:
+        peaks = ", ".join(f"step {p.step} {p.bytes:,} B" for p in self.peaks)
+        flops = "" if self.flops is None else f", {self.flops.total:,} FLOPs"
+        approximate = ", approximate" if self.approximate else ""
+        modules = sum(1 for _ in self.modules.walk())
+        return (
+            f"<StepEstimate {self.device} {self.precision}: {peaks}{flops}; {modules:,} modules, "
+            f"{len(self.timeline):,} timeline points{approximate}>"
+        )
+
+    def __str__(self) -> str:
+        """A few lines for people: the peaks, what the higher one holds, the FLOPs, the caveats."""
+        approximate = "; APPROXIMATE: a CUDA what-if, simulated on the CPU" if self.approximate else ""
+        lines = [
+            f"Estimated {self.loop} step ({self.device}, {self.precision}{approximate})",
+            f"  peak, first step:   {self.first_step}",
+            f"  peak, steady state: {self.steady_state}",
+            f"  at that peak: {self.steady_state.breakdown}",
+        ]
+        if self.flops is not None:
+            lines.append(f"  FLOPs: {self.flops}")
+        if self.data_dependent:
+            reads = sum(r.count for r in self.data_dependent)
+            lines.append(f"  the step read tensor values {reads} time(s): assumed (see .data_dependent)")
+        return "\n".join(lines)
 
     @property
     def device_bytes(self) -> int | None:
@@ -289,6 +372,7 @@ class StepEstimate:
             },
             "estimate_seconds": round(self.estimate_seconds, 4),
             "approximate": self.approximate,
+            "loop": self.loop,
             "data_dependent": self.data_dependent_json(),
             "calibration": None
             if self.calibration is None

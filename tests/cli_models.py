@@ -85,3 +85,28 @@ class BranchesOnValue(nn.Module):
         if h.mean().item() > 0:
             h = torch.relu(self.mid(h))
         return self.out(h)  # type: ignore[no-any-return]
+
+
+class PositionalLM(TinyLM):
+    """``TinyLM`` with a learned position table of ``max_len`` rows, indexed by ``arange(SEQ)``: a
+    sequence longer than ``max_len`` fails in the real step (IndexError)."""
+
+    def __init__(self, vocab: int = 50, dim: int = 32, max_len: int = 16) -> None:
+        super().__init__(vocab, dim)
+        self.pos = nn.Embedding(max_len, dim)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return self.out(torch.relu(self.embed(ids) + self.pos(positions)))  # type: ignore[no-any-return]
+
+
+class BatchNormMLP(nn.Module):
+    """``(N, 16)`` -> ``(N, 10)`` with a BatchNorm1d: in training it rejects a batch of one sample
+    ("Expected more than 1 value per channel"), as resnets do on small images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)  # type: ignore[no-any-return]

@@ -3,32 +3,80 @@
 Lightning's summary is a list of ``(header, [cell per layer])`` columns (``ModelSummary._get_summary_data``)
 rendered as a plain table, or with Rich when it is installed (the way Lightning picks its default
 summary callback). The estimate adds, per layer: the activation bytes saved for backward, and the
-forward and backward FLOPs once they are counted; and below the table the estimated peaks with their
-breakdown.
+forward and backward FLOPs of the training batch; and below the table the estimated peaks with their
+breakdown. Lightning's own ``FLOPs`` column (forward only, for ``example_input_array`` only, ``0``
+without one) gives way to them, and its "Total FLOPs" line shows the estimate's forward FLOPs.
+
+The plain table goes where Lightning's plain summary goes: an INFO record of Lightning's
+``lightning.pytorch.callbacks.model_summary`` logger, which Lightning gives a console handler unless
+the user configured logging -- so it is shown, and silenced, exactly as Lightning's is.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
-from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+from lightning.pytorch.callbacks import Callback, ModelSummary, RichModelSummary
+from lightning.pytorch.callbacks import model_summary as lightning_summary
 from lightning.pytorch.utilities.model_summary.model_summary import (
     _format_summary_table,
     get_formatted_model_size,
     get_human_readable_count,
 )
+from lightning_utilities.core.imports import RequirementCache
 
-from lightning_memest.report import ModuleStats, StepEstimate, format_bytes
+from lightning_memest.report import ModuleStats, StepEstimate, format_bytes, human_flops
 
-__all__ = ["SAVED_HEADER", "estimate_columns", "footer_items", "render_summary"]
+__all__ = [
+    "RICH_AVAILABLE",
+    "SAVED_HEADER",
+    "estimate_columns",
+    "footer_items",
+    "loop_footer_items",
+    "render_summary",
+    "restore_summaries",
+    "silence_other_summaries",
+    "total_flops",
+    "with_estimate",
+]
 
-log = logging.getLogger(__name__)
+#: Whether Rich is installed, as Lightning decides it when it picks ``RichModelSummary`` by default
+#: (its own flag moved between releases; the requirement is the same).
+RICH_AVAILABLE = RequirementCache("rich>=10.2.2")
 
 Column = tuple[str, list[str]]
 
 SAVED_HEADER = "Saved for bwd"
+#: Lightning's per-layer FLOPs column, which the estimate's columns replace.
+LIGHTNING_FLOPS_HEADER = "FLOPs"
+
+
+def silence_other_summaries(
+    callbacks: Iterable[Callback], keeper: ModelSummary
+) -> tuple[list[tuple[ModelSummary, int]], bool | None]:
+    """Turn off the other model summaries of a fit (``max_depth=0``, Lightning's "no summary"), so that
+    one table is shown: the keeper's, which has every column of theirs and the estimate's. Returns
+    what :func:`restore_summaries` puts back, and the style the user asked for by passing them:
+    Rich for a ``RichModelSummary``, plain for a plain ``ModelSummary``, ``None`` (Lightning's
+    default) for none."""
+    silenced = [
+        (cb, cb._max_depth)
+        for cb in callbacks
+        # Another MemEstimate shows its own estimate; only Lightning's summaries give way.
+        if isinstance(cb, ModelSummary) and not isinstance(cb, type(keeper)) and cb._max_depth
+    ]
+    for cb, _ in silenced:
+        cb._max_depth = 0
+    kinds = [isinstance(cb, RichModelSummary) for cb, _ in silenced]
+    return silenced, (any(kinds) if kinds else None)
+
+
+def restore_summaries(silenced: Iterable[tuple[ModelSummary, int]]) -> None:
+    """Give the summaries :func:`silence_other_summaries` turned off their depth back (the user's
+    callback objects may serve another trainer)."""
+    for cb, depth in silenced:
+        cb._max_depth = depth
 
 
 def estimate_columns(layer_names: Sequence[str], estimate: StepEstimate) -> list[Column]:
@@ -36,14 +84,10 @@ def estimate_columns(layer_names: Sequence[str], estimate: StepEstimate) -> list
     stats: dict[str, ModuleStats] = {m.path: m for m in estimate.modules.walk()}
     rows = [stats.get(name) for name in layer_names]
     saved = ["-" if m is None else format_bytes(m.saved_bytes) for m in rows]
-    forward = [
-        "-" if m is None or m.forward_flops is None else get_human_readable_count(m.forward_flops)
-        for m in rows
-    ]
-    backward = [
-        "-" if m is None or m.backward_flops is None else get_human_readable_count(m.backward_flops)
-        for m in rows
-    ]
+    # In FLOP units (``19.04 GFLOP``): Lightning's counts (``19.0 B``) would read as bytes beside the
+    # saved bytes.
+    forward = ["-" if m is None or m.forward_flops is None else human_flops(m.forward_flops) for m in rows]
+    backward = ["-" if m is None or m.backward_flops is None else human_flops(m.backward_flops) for m in rows]
     return [(SAVED_HEADER, saved), ("Fwd FLOPs/step", forward), ("Bwd FLOPs/step", backward)]
 
 
@@ -52,14 +96,7 @@ def footer_items(estimate: StepEstimate) -> list[tuple[str, str]]:
     items = [
         (f"Estimated peak memory, first step ({estimate.device})", format_bytes(estimate.first_step.bytes)),
         ("Estimated peak memory, steady state", format_bytes(estimate.steady_state.bytes)),
-        (
-            "At the steady-state peak",
-            ", ".join(
-                f"{name.replace('_', ' ')} {format_bytes(n)}"
-                for name, n in estimate.steady_state.breakdown.items()
-                if n
-            ),
-        ),
+        ("At the steady-state peak", str(estimate.steady_state.breakdown)),
     ]
     if estimate.batch_shapes:
         items.append(("For batches of shapes", _shapes(estimate.batch_shapes)))
@@ -68,13 +105,33 @@ def footer_items(estimate: StepEstimate) -> list[tuple[str, str]]:
         items.append(
             (
                 "Estimated FLOPs per batch (fwd + bwd)",
-                f"{get_human_readable_count(f.forward)} + {get_human_readable_count(f.backward or 0)}",
+                f"{human_flops(f.forward)} + {human_flops(f.backward or 0)}",
             )
         )
     if estimate.data_dependent is not None:
         items.append(
             ("Tensor values read (assumed, see MemEstimate.estimate)", str(len(estimate.data_dependent)))
         )
+    return items
+
+
+#: How the summary names each loop besides training.
+_LOOP_LABELS = {
+    "sanity_check": "sanity check",
+    "validate": "validation",
+    "test": "test",
+    "predict": "predict",
+}
+
+
+def loop_footer_items(estimates: Mapping[str, StepEstimate]) -> list[tuple[str, str]]:
+    """A line below the table for each loop estimated before the summary (the sanity check's first
+    validation batch, say): its peak and its batch shapes."""
+    items = []
+    for name, estimate in estimates.items():
+        shapes = f" (batch of shapes {_shapes(estimate.batch_shapes)})" if estimate.batch_shapes else ""
+        label = _LOOP_LABELS.get(name, name)
+        items.append((f"Estimated peak memory, {label}", format_bytes(estimate.peak_bytes) + shapes))
     return items
 
 
@@ -89,6 +146,24 @@ def _shapes(per_step: tuple[tuple[tuple[int, ...], ...], ...]) -> str:
     return "; ".join(f"step {i}: {one(s)}" for i, s in enumerate(per_step, 1))
 
 
+def with_estimate(summary_data: list[Column], estimate: StepEstimate | None) -> list[Column]:
+    """The summary's columns with the estimate's in place of Lightning's ``FLOPs`` column (which counts
+    the forward of ``example_input_array`` only: ``0`` without one, beside figures in bytes)."""
+    if estimate is None:
+        return summary_data
+    layers = next(cells for header, cells in summary_data if header == "Name")
+    kept = [c for c in summary_data if c[0] != LIGHTNING_FLOPS_HEADER]
+    return kept + estimate_columns(layers, estimate)
+
+
+def total_flops(estimate: StepEstimate | None, lightning_total: int) -> int:
+    """The summary's "Total FLOPs" (Lightning's: the forward of one batch): the estimate's, when there
+    is one with FLOPs, else Lightning's own count."""
+    if estimate is None or estimate.flops is None:
+        return lightning_total
+    return estimate.flops.forward
+
+
 def render_summary(
     summary_data: list[Column],
     total_parameters: int,
@@ -97,17 +172,20 @@ def render_summary(
     total_training_modes: dict[str, int],
     total_flops: int,
     footer: list[tuple[str, str]],
+    *,
+    rich: bool | None = None,
 ) -> None:
-    """Print the summary with the extra columns and footer, plain or with Rich as Lightning would."""
-    if _RICH_AVAILABLE:
-        _render_rich(
-            summary_data, total_parameters, trainable_parameters, model_size, total_training_modes, footer
-        )
+    """Show the summary with the extra columns and footer: with Rich (``rich=None``: where Lightning
+    would, that is where Rich is installed), else as Lightning's plain summary is shown."""
+    use_rich = bool(RICH_AVAILABLE) if rich is None else rich
+    counts = (total_parameters, trainable_parameters, model_size, total_training_modes, total_flops)
+    if use_rich:
+        _render_rich(summary_data, *counts, footer)
         return
-    table = _format_summary_table(
-        total_parameters, trainable_parameters, model_size, total_training_modes, total_flops, *summary_data
-    )
-    log.info("\n" + table + "".join(f"\n{value:<10} {label}" for label, value in footer))
+    table = _format_summary_table(*counts, *summary_data)
+    # The estimate's lines as in the Rich table's footer: its figures (a breakdown among them) are
+    # longer than the column Lightning keeps for its own counts.
+    lightning_summary.log.info("\n" + table + "".join(f"\n{label}: {value}" for label, value in footer))
 
 
 def _render_rich(
@@ -116,10 +194,12 @@ def _render_rich(
     trainable_parameters: int,
     model_size: float,
     total_training_modes: dict[str, int],
+    total_flops: int,
     footer: list[tuple[str, str]],
 ) -> None:
     # RichModelSummary hard-codes its columns; this renders any, in the same style.
     from rich import get_console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(header_style="bold magenta")
@@ -141,7 +221,8 @@ def _render_rich(
         f"[bold]Total estimated model params size (MB)[/]: {get_formatted_model_size(model_size)}",
         f"[bold]Modules in train mode[/]: {total_training_modes['train']}",
         f"[bold]Modules in eval mode[/]: {total_training_modes['eval']}",
-        *(f"[bold]{label}[/]: {value}" for label, value in footer),
+        f"[bold]Total FLOPs[/]: {get_human_readable_count(total_flops)}",
+        *(f"[bold]{escape(label)}[/]: {escape(value)}" for label, value in footer),
     ]
     for row in rows:
         grid.add_row(row)

@@ -12,10 +12,18 @@
 
 ``max-batch-size`` prints the largest batch size whose estimated peak is within SIZE (bytes, or a
 number with a unit: ``10GiB``, ``512MiB``, ``1.5GB``, ``8g``; see
-:func:`~lightning_memest.budget.parse_size`); ``--batch-size`` is the second size it probes. With
-``--json``: ``{"max_batch_size": int, "peak_bytes_at_max": int | null, "probes": int, "seconds": float}``
-(``max_batch_size`` 0 and ``peak_bytes_at_max`` null when not even one sample fits: still exit 0, with
-a note on stderr). Each probe is reported on stderr as it finishes.
+:func:`~lightning_memest.budget.parse_size`); the search starts at the smallest batch size the step
+accepts (1, else 2, 4, ...) and ``--batch-size`` is the second size it probes. With ``--json``:
+``{"max_batch_size": int, "peak_bytes_at_max": int | null, "probes": int, "seconds": float,
+"smallest": int, "approximate": bool}`` (``max_batch_size`` 0 and ``peak_bytes_at_max`` null when not
+even the smallest batch fits: still exit 0, with a note on stderr).
+
+``compare`` runs each model on its own: a model that fails gets its reason in its row (``"error"`` in
+the JSON) and the others still run; it exits 2 only when every model failed.
+
+Every JSON value has ``"approximate"`` (a CUDA what-if on a machine without a GPU). Long work shows
+one line of progress on stderr when stderr is a terminal and the output is not ``--json``;
+``memest --version`` prints the releases in use.
 
 ``MODEL`` is ``package.module:name`` (the current directory is importable); see
 :mod:`lightning_memest.cases` for how models, inputs, losses and optimizers are made.
@@ -40,14 +48,9 @@ from collections.abc import Sequence
 
 from lightning_memest.cli.commands import COMMANDS
 from lightning_memest.cli.parser import PROG, build_parser, settings
-from lightning_memest.errors import MemestError
+from lightning_memest.errors import MemestError, one_line
 
 __all__ = ["main"]
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text or type(e).__name__
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,10 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else 2
     # `memest estimate mymodel:Net` run from a project directory should find mymodel.py there, as
     # `python -m` would; the console script's sys.path does not hold the current directory.
-    # Kineto (the profiler `measure` uses on CPU) writes profiler_start/stop lines, and on machines
-    # without a GPU a "gpuGetDeviceCount failed" line, to stderr on every run; stderr is kept for
-    # errors and progress. It reads the variable when the profiler starts; a user's own setting wins.
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    # (The profiler's own chatter on stderr is silenced where the library starts it: allocator_events.)
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:
@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemestError as e:
         if os.environ.get("MEMEST_DEBUG"):
             raise
-        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("MEMEST_DEBUG"):
             raise
         print(
-            f"{PROG}: error: unexpected {type(e).__name__}: {_one_line(e)}"
+            f"{PROG}: error: unexpected {type(e).__name__}: {one_line(e)}"
             " (set MEMEST_DEBUG=1 for the traceback)",
             file=sys.stderr,
         )

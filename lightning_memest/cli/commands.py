@@ -1,17 +1,22 @@
 """The ``memest`` commands: estimate, measure, compare, profile, max-batch-size -- each reads its
-checked settings (``cli/parser.py``), runs the library, and prints a table or one JSON value."""
+checked settings (``cli/parser.py``), runs the library, and prints a table or one JSON value.
+
+Every JSON value says whether its figures are ``approximate`` (a CUDA what-if on a machine without a
+GPU; a measurement never is). Long work shows its progress on stderr where a person watches
+(``cli/progress.py``).
+"""
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
-from lightning_memest.budget import parse_size
 from lightning_memest.cases import case_batch_maker, estimate_case, measure_case, resolve_model
 from lightning_memest.cli.parser import PROG, Settings
-from lightning_memest.errors import MemestError, SpecError
+from lightning_memest.cli.progress import Progress, watched
+from lightning_memest.errors import MemestError, SpecError, one_line
 from lightning_memest.fx import NODE_ORDERS, profile_graph
 from lightning_memest.report import ModuleStats, StepEstimate, format_bytes, human_flops
 from lightning_memest.search import max_batch_size
@@ -23,19 +28,31 @@ __all__ = ["COMMANDS", "compare_row"]
 TOP_MODULES = 5
 
 
+def _progress(settings: Settings, **kwargs: Any) -> Progress:
+    return Progress(watched(settings.args.json), **kwargs)
+
+
 def _estimate(settings: Settings, out: TextIO) -> None:
     args = settings.args
-    case = settings.build(args.model)
-    est = estimate_case(
-        case, device=args.device, strategy=settings.strategy, gpu=settings.gpu, calibrate=args.calibrate
-    )
+    with _progress(settings) as progress:
+        progress.update(f"building {args.model}")
+        case = settings.build(args.model)
+        progress.update(f"estimating {args.model}: simulating {_what(args.loop)} on fake tensors")
+        est = estimate_case(
+            case,
+            device=args.device,
+            strategy=settings.strategy,
+            gpu=settings.gpu,
+            calibrate=args.calibrate,
+            loop=args.loop,
+        )
     fits = _fits_gpu(est, args.gpu_memory)
     if args.json:
         data = est.to_json()
         data["gpu_memory"] = fits
         print(json.dumps(data), file=out)
         return
-    print(f"estimate of {args.model} ({settings.describe()})", file=out)
+    print(f"estimate of {args.model} ({settings.describe()}{_loop_note(args.loop)})", file=out)
     if est.approximate:
         print(
             "  APPROXIMATE: no GPU here; simulated on the CPU and accounted as CUDA (caching allocator,"
@@ -52,33 +69,45 @@ def _estimate(settings: Settings, out: TextIO) -> None:
         )
 
 
-def _fits_gpu(est: StepEstimate, size: str | None) -> dict[str, Any] | None:
+def _fits_gpu(est: StepEstimate, budget: int | None) -> dict[str, Any] | None:
     """``--gpu-memory``: the verdict, from the reserved peak plus the CUDA context."""
-    if size is None:
+    if budget is None:
         return None
-    try:
-        budget = parse_size(size)
-    except ValueError as e:
-        raise SpecError(f"--gpu-memory: {e}") from None
     device = est.device_bytes
     assert device is not None  # --gpu-memory needs --device cuda (checked in _gpu)
     return {"budget_bytes": budget, "device_bytes": device, "fits": device <= budget}
 
 
+def _what(loop: str) -> str:
+    return "two training steps" if loop == "train" else f"one {loop} batch"
+
+
+def _loop_note(loop: str) -> str:
+    """How the title says a batch outside training (the model in eval mode, no gradients)."""
+    if loop == "train":
+        return ""
+    return f"; one {loop} batch in eval mode, under {'no_grad' if loop == 'validate' else 'inference_mode'}"
+
+
+def _peak_rows(loop: str, peaks: Sequence[int], reserved: Sequence[int] | None) -> list[tuple[str, int]]:
+    """The peak rows of a table: the first step and the steady state, or one batch of another loop."""
+    if loop != "train":
+        return [("peak", peaks[-1])] + ([("reserved", reserved[-1])] if reserved is not None else [])
+    rows = [("peak, first step", peaks[0]), ("peak, steady state", peaks[-1])]
+    if reserved is not None:
+        rows += [("reserved, first step", reserved[0]), ("reserved, steady state", reserved[-1])]
+    return rows
+
+
 def _print_estimate(est: StepEstimate, out: TextIO) -> None:
-    rows = [("peak, first step", est.first_step.bytes), ("peak, steady state", est.steady_state.bytes)]
-    if est.reserved_bytes is not None:
-        rows += [
-            ("reserved, first step", est.reserved_bytes[0]),
-            ("reserved, steady state", est.reserved_bytes[-1]),
-        ]
+    rows = _peak_rows(est.loop, [p.bytes for p in est.peaks], est.reserved_bytes)
     if est.cuda_context_bytes is not None and est.device_bytes is not None:
         rows += [("CUDA context", est.cuda_context_bytes), ("device (reserved+context)", est.device_bytes)]
     for label, n in rows:
         print(f"  {label:<26}{format_bytes(n):>12}  ({n:,} B)", file=out)
     peak = est.steady_state
     where = f"{peak.op} in {peak.module or '(root)'}, {peak.phase.value}"
-    print(f"\n  at the steady-state peak ({where}):", file=out)
+    print(f"\n  at the {'steady-state ' if est.loop == 'train' else ''}peak ({where}):", file=out)
     for name, n in peak.breakdown.items():
         print(f"    {name:<22}{format_bytes(n):>12}", file=out)
     leaves = [m for m in est.modules.walk() if not m.children and m.path and m.saved_bytes > 0]
@@ -118,8 +147,11 @@ def _saved(m: ModuleStats) -> int:
 
 def _measure(settings: Settings, out: TextIO) -> None:
     args = settings.args
-    case = settings.build(args.model)
-    m = measure_case(case, device=args.device)
+    with _progress(settings) as progress:
+        progress.update(f"building {args.model}")
+        case = settings.build(args.model)
+        progress.update(f"measuring {args.model}: {_what(args.loop)}, for real")
+        m = measure_case(case, device=args.device, loop=args.loop)
     if args.json:
         reserved = (
             None
@@ -130,40 +162,66 @@ def _measure(settings: Settings, out: TextIO) -> None:
             "peak_bytes": {"first_step": m.first_step, "steady_state": m.steady_state},
             "reserved_bytes": reserved,
             "step_seconds": round(m.step_seconds, 4),
+            "loop": args.loop,
+            "approximate": False,  # measured for real
         }
         print(json.dumps(data), file=out)
         return
-    print(f"measurement of {args.model} ({settings.describe()}, on {m.device})", file=out)
-    rows = [("peak, first step", m.first_step), ("peak, steady state", m.steady_state)]
-    if m.reserved_bytes is not None:
-        rows += [
-            ("reserved, first step", m.reserved_bytes[0]),
-            ("reserved, steady state", m.reserved_bytes[-1]),
-        ]
-    for label, n in rows:
+    note = _loop_note(args.loop)
+    print(f"measurement of {args.model} ({settings.describe()}{note}, on {m.device})", file=out)
+    for label, n in _peak_rows(args.loop, m.peak_bytes, m.reserved_bytes):
         print(f"  {label:<24}{format_bytes(n):>12}  ({n:,} B)", file=out)
-    print(f"\n  one step took {m.step_seconds:.3f} s", file=out)
+    print(f"\n  one {'step' if args.loop == 'train' else 'batch'} took {m.step_seconds:.3f} s", file=out)
 
 
 def _error_percent(estimated: int, measured: int) -> float | None:
     return None if measured == 0 else round(100.0 * (estimated - measured) / measured, 3)
 
 
+_KEYS = ("first_step", "steady_state")
+
+
 def compare_row(
-    spec: str, est: StepEstimate, measured: tuple[int, int], step_seconds: float
+    spec: str,
+    est: StepEstimate | None,
+    measured: tuple[int, int] | None,
+    step_seconds: float | None,
+    error: str | None = None,
 ) -> dict[str, Any]:
-    """One model's row of ``memest compare --json``."""
-    estimated = (est.first_step.bytes, est.steady_state.bytes)
-    keys = ("first_step", "steady_state")
+    """One model's row of ``memest compare --json``; what failed is ``None``, and ``error`` says why."""
+    estimated = None if est is None else (est.first_step.bytes, est.steady_state.bytes)
+    errors = None
+    if estimated is not None and measured is not None:
+        errors = {k: _error_percent(e, m) for k, e, m in zip(_KEYS, estimated, measured, strict=True)}
     return {
         "model": spec,
-        "estimated_bytes": dict(zip(keys, estimated, strict=True)),
-        "measured_bytes": dict(zip(keys, measured, strict=True)),
-        "error_percent": {k: _error_percent(e, m) for k, e, m in zip(keys, estimated, measured, strict=True)},
-        "estimate_seconds": round(est.estimate_seconds, 4),
-        "step_seconds": round(step_seconds, 4),
-        "data_dependent": est.data_dependent_json(),
+        "estimated_bytes": None if estimated is None else dict(zip(_KEYS, estimated, strict=True)),
+        "measured_bytes": None if measured is None else dict(zip(_KEYS, measured, strict=True)),
+        "error_percent": errors,
+        "estimate_seconds": None if est is None else round(est.estimate_seconds, 4),
+        "step_seconds": None if step_seconds is None else round(step_seconds, 4),
+        "data_dependent": None if est is None else est.data_dependent_json(),
+        "approximate": False if est is None else est.approximate,
+        "error": error,
     }
+
+
+def _compare_one(settings: Settings, spec: str, progress: Progress, done: int) -> dict[str, Any]:
+    """One model's row: what it got to, and where it failed (a failing model costs the others
+    nothing)."""
+    args = settings.args
+    est, stage = None, "estimating"
+    try:
+        progress.update(f"estimating {spec}", done)
+        # A fresh, identically seeded model for each run: measuring trains the model in place.
+        est = estimate_case(settings.build(spec), device=args.device, calibrate=args.calibrate)
+        stage = "measuring"
+        progress.update(f"measuring {spec}", done)
+        m = measure_case(settings.build(spec), device=args.device)
+    except Exception as e:  # one model's failure, whatever it is, is its row's
+        kind = "" if isinstance(e, MemestError) else f"unexpected {type(e).__name__}: "
+        return compare_row(spec, est, None, None, f"{stage} failed: {kind}{one_line(e)}")
+    return compare_row(spec, est, (m.first_step, m.steady_state), m.step_seconds)
 
 
 def _compare(settings: Settings, out: TextIO) -> None:
@@ -171,37 +229,37 @@ def _compare(settings: Settings, out: TextIO) -> None:
     # Check every spec before the first (slow) run, so a typo in the last model fails at once.
     for spec in args.models:
         resolve_model(spec)
-    rows: list[dict[str, Any]] = []
-    n = len(args.models)
-    for i, spec in enumerate(args.models, 1):
-        try:
-            print(f"{PROG}: [{i}/{n}] estimating {spec}", file=sys.stderr, flush=True)
-            # A fresh, identically seeded model for each run: measuring trains the model in place.
-            est = estimate_case(settings.build(spec), device=args.device, calibrate=args.calibrate)
-            print(f"{PROG}: [{i}/{n}] measuring {spec}", file=sys.stderr, flush=True)
-            m = measure_case(settings.build(spec), device=args.device)
-        except MemestError as e:
-            raise MemestError(f"{spec}: {e}") from e
-        rows.append(compare_row(spec, est, (m.first_step, m.steady_state), m.step_seconds))
+    with _progress(settings, total=len(args.models)) as progress:
+        rows = [_compare_one(settings, spec, progress, i) for i, spec in enumerate(args.models)]
     if args.json:
         print(json.dumps(rows), file=out)
-        return
+    else:
+        _print_compare(settings, rows, out)
+    if all(row["error"] is not None for row in rows):
+        raise MemestError("every model failed (see each row)" if len(rows) > 1 else rows[0]["error"])
+
+
+def _print_compare(settings: Settings, rows: list[dict[str, Any]], out: TextIO) -> None:
     print(f"compare ({settings.describe()})", file=out)
     header = f"{'model':<36}{'peak':<14}{'estimated':>12}{'measured':>12}{'error':>10}{'estimate s':>12}"
     print(header, file=out)
     print("-" * len(header), file=out)
     for row in rows:
-        for key, label in (("first_step", "step 1"), ("steady_state", "steady")):
-            first = key == "first_step"
-            err = row["error_percent"][key]
-            err_text = "n/a" if err is None else f"{err:+.2f} %"
-            seconds = f"{row['estimate_seconds']:.2f}" if first else ""
-            estimated, measured = row["estimated_bytes"][key], row["measured_bytes"][key]
-            line = (
-                f"{row['model'] if first else '':<36}{label:<14}{format_bytes(estimated):>12}"
-                f"{format_bytes(measured):>12}{err_text:>10}{seconds:>12}"
-            )
-            print(line.rstrip(), file=out)
+        estimated, measured = row["estimated_bytes"], row["measured_bytes"]
+        if estimated is not None:
+            for key, label in (("first_step", "step 1"), ("steady_state", "steady")):
+                first = key == "first_step"
+                err = None if row["error_percent"] is None else row["error_percent"][key]
+                err_text = "n/a" if err is None else f"{err:+.2f} %"
+                seconds = f"{row['estimate_seconds']:.2f}" if first else ""
+                measured_text = "-" if measured is None else format_bytes(measured[key])
+                line = (
+                    f"{row['model'] if first else '':<36}{label:<14}{format_bytes(estimated[key]):>12}"
+                    f"{measured_text:>12}{err_text:>10}{seconds:>12}"
+                )
+                print(line.rstrip(), file=out)
+        if row["error"] is not None:
+            print(f"{row['model'] if estimated is None else '':<36}{row['error']}", file=out)
     for row in rows:
         if row["data_dependent"] is not None:
             # A branch on a value fake tensors lack followed the assumed value: the likeliest cause of
@@ -216,21 +274,25 @@ def _compare(settings: Settings, out: TextIO) -> None:
 
 def _profile(settings: Settings, out: TextIO) -> None:
     args = settings.args
-    if args.top is not None and args.top < 0:
-        raise SpecError(f"--top must be at least 0; got {args.top}")
     orders = NODE_ORDERS if args.by == "node" else MODULE_ORDERS
     order = args.sort or orders[0]
     if order not in orders:
         raise SpecError(f"--sort for --by {args.by} must be one of {', '.join(orders)}; got {order!r}")
-    case = settings.build(args.model)
+    with _progress(settings) as progress:
+        progress.update(f"building {args.model}")
+        case = settings.build(args.model)
+        progress.update(f"profiling {args.model}: one step on fake tensors")
+        if args.by == "node":
+            profile = profile_graph(
+                case.model,
+                case.estimate_batch,
+                loss_fn=case.config.loss_fn,
+                precision=case.config.precision,
+                device=args.device,
+            )
+        else:
+            est = estimate_case(case, device=args.device, steps=1)
     if args.by == "node":
-        profile = profile_graph(
-            case.model,
-            case.batch,
-            loss_fn=case.config.loss_fn,
-            precision=case.config.precision,
-            device=args.device,
-        )
         if args.json:
             print(json.dumps(profile.to_json(order, args.top)), file=out)
             return
@@ -238,9 +300,14 @@ def _profile(settings: Settings, out: TextIO) -> None:
         print(profile.table(top=args.top, by=order), file=out)
         print(f"\n  profiled in {profile.seconds:.2f} s", file=out)
         return
-    est = estimate_case(case, device=args.device, steps=1)
     if args.json:
-        print(json.dumps(module_rows(est.modules, order, args.top)), file=out)
+        data = {
+            "modules": module_rows(est.modules, order, args.top),
+            "device": est.device,
+            "precision": est.precision,
+            "approximate": est.approximate,
+        }
+        print(json.dumps(data), file=out)
         return
     print(f"module profile of {args.model} ({settings.describe()}; first step)", file=out)
     print(module_table(est.modules, order, args.top), file=out)
@@ -248,42 +315,50 @@ def _profile(settings: Settings, out: TextIO) -> None:
 
 def _max_batch_size(settings: Settings, out: TextIO) -> None:
     args = settings.args
-    try:
-        budget = parse_size(args.memory_budget)
-    except ValueError as e:
-        raise SpecError(f"--memory-budget: {e}") from None
-    if args.cap < 1:
-        raise SpecError(f"--max-batch-size must be at least 1; got {args.cap}")
-    # Built (for real) at --batch-size: small, and it checks the input and makes the target's shape;
-    # every probe resizes that batch on the meta device.
-    case = settings.build(args.model)
+    budget = args.memory_budget
+    # The search forks a worker for pairs of probes, which needs a process without other threads: the
+    # progress line changes at each probe instead of from a thread of its own.
+    with _progress(settings, threads=False) as progress:
+        progress.update(f"building {args.model}")
+        # Nothing of the batch is real: every probe resizes its shapes on the meta device.
+        case = settings.build(args.model)
+        progress.update(f"searching: the smallest batch size {args.model} accepts")
 
-    def progress(n: int, peak: int) -> None:
-        verdict = "fits" if peak <= budget else "over"
-        print(f"{PROG}: batch size {n}: {format_bytes(peak)} ({verdict})", file=sys.stderr, flush=True)
+        def probed(n: int, peak: int) -> None:
+            verdict = "fits" if peak <= budget else "over"
+            progress.update(f"searching: batch size {n} needs {format_bytes(peak)} ({verdict})")
 
-    result = max_batch_size(
-        case.model,
-        case_batch_maker(case),
-        budget,
-        loss_fn=case.config.loss_fn,
-        optimizer=case.config.optimizer,
-        precision=case.config.precision,
-        device=args.device,
-        start=settings.inputs.batch_size,
-        cap=args.cap,
-        progress=progress,
-        strategy=settings.strategy,
-        gpu=settings.gpu,
-    )
+        result = max_batch_size(
+            case.model,
+            case_batch_maker(case),
+            budget,
+            loss_fn=case.config.loss_fn,
+            optimizer=case.config.optimizer,
+            precision=case.config.precision,
+            device=args.device,
+            start=settings.inputs.batch_size,
+            cap=args.cap,
+            progress=probed,
+            strategy=settings.strategy,
+            gpu=settings.gpu,
+            calibrate=args.calibrate,
+        )
     if result.max_batch_size == 0 or result.capped:
         print(f"{PROG}: {result.message}", file=sys.stderr)
     if args.json:
         print(json.dumps(result.to_json()), file=out)
         return
     print(f"max batch size of {args.model} ({settings.describe()})", file=out)
+    if result.approximate:
+        print("  APPROXIMATE: no GPU here; simulated on the CPU and accounted as CUDA", file=out)
     print(f"  {result.message}", file=out)
     print(f"\n  {len(result.probes)} estimates in {result.seconds:.2f} s", file=out)
+    if (c := result.calibration) is not None and c.anchors is not None:
+        print(
+            f"  kernels calibrated at batch sizes {c.anchors[0]} and {c.anchors[1]}, fitted for the other "
+            f"probes ({c.refined} of their op signatures measured; {c.measured} now, in {c.seconds:.2f} s)",
+            file=out,
+        )
 
 
 #: The command functions, by name: ``COMMANDS[name](settings, out)``.

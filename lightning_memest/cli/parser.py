@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
+import math
+import platform
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 import torch
 
+import lightning_memest
 from lightning_memest.accounting.cuda_device import CudaDevice
+from lightning_memest.budget import parse_size
 from lightning_memest.cases import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_LOSS,
@@ -24,13 +30,14 @@ from lightning_memest.cases import (
     parse_shape,
 )
 from lightning_memest.engine.distributed import DDP, FSDP, STRATEGIES, Strategy
+from lightning_memest.engine.inference_step import LOOPS
 from lightning_memest.engine.step import PRECISIONS
 from lightning_memest.errors import SpecError
 from lightning_memest.fx import NODE_ORDERS
 from lightning_memest.search import DEFAULT_CAP
 from lightning_memest.tables import MODULE_ORDERS
 
-__all__ = ["DEVICES", "PROG", "Settings", "build_parser", "settings"]
+__all__ = ["DEVICES", "PROG", "Settings", "build_parser", "settings", "version"]
 
 PROG = "memest"
 DEVICES = ("cpu", "cuda")
@@ -43,6 +50,65 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message} (see '{self.prog} --help')\n")
 
 
+def version() -> str:
+    """``memest --version``: this package's release and the releases it runs with (for bug reports)."""
+    return (
+        f"{PROG} {lightning_memest.__version__} (torch {torch.__version__}, lightning "
+        f"{_installed('lightning')}, Python {platform.python_version()})"
+    )
+
+
+def _installed(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+# Every number a flag takes is checked as it is parsed: a bad one is a usage error (exit 2) before
+# any model is built.
+
+
+def _whole(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}; got {value}")
+        return value
+
+    return parse
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number: {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a number more than 0; got {text!r}")
+    return value
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _capability(text: str) -> tuple[int, int]:
+    major, dot, minor = text.partition(".")
+    if not (dot and major.isdigit() and minor.isdigit()):
+        raise argparse.ArgumentTypeError(f"must look like 9.0 (MAJOR.MINOR); got {text!r}")
+    return int(major), int(minor)
+
+
+_POSITIVE = _whole(1)
+
+
 def _add_case_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model-kwargs",
@@ -52,7 +118,7 @@ def _add_case_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--batch-size",
-        type=int,
+        type=_POSITIVE,
         default=DEFAULT_BATCH_SIZE,
         metavar="N",
         help=f"batch size (default {DEFAULT_BATCH_SIZE})",
@@ -61,9 +127,9 @@ def _add_case_flags(p: argparse.ArgumentParser) -> None:
     inputs.add_argument(
         "--input-shape", metavar="C,H,W", help="float input of shape (N, C, H, W) (any number of sizes)"
     )
-    inputs.add_argument("--tokens", type=int, metavar="SEQ", help="token-id input of shape (N, SEQ)")
+    inputs.add_argument("--tokens", type=_POSITIVE, metavar="SEQ", help="token-id input of shape (N, SEQ)")
     p.add_argument(
-        "--vocab", type=int, metavar="V", help="vocabulary size of --tokens inputs (required with it)"
+        "--vocab", type=_POSITIVE, metavar="V", help="vocabulary size of --tokens inputs (required with it)"
     )
     p.add_argument(
         "--loss",
@@ -91,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG,
         description="Estimate the memory of one PyTorch training step on fake tensors; measure it for real.",
     )
+    parser.add_argument("--version", action="version", version=version())
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="{estimate,measure,compare,profile,max-batch-size}"
     )
@@ -102,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("model", metavar="MODEL", help=model_help)
         _add_case_flags(p)
+        p.add_argument(
+            "--loop",
+            choices=LOOPS,
+            default="train",
+            help="what the batch does: train (default: two training steps), validate (one batch in eval "
+            "mode: forward and loss under no_grad) or predict (one batch in eval mode: forward only, "
+            "under inference_mode)",
+        )
         if name == "estimate":
             _add_calibrate_flag(p)
             _add_strategy_flags(p)
@@ -136,7 +211,7 @@ def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--strategy", choices=STRATEGIES, default=None, help="ddp or fsdp (FSDP2 fully_shard)")
     g.add_argument(
-        "--world-size", type=int, default=None, metavar="N", help="ranks in the job (with --strategy)"
+        "--world-size", type=_POSITIVE, default=None, metavar="N", help="ranks in the job (with --strategy)"
     )
     g.add_argument(
         "--fsdp-units",
@@ -162,7 +237,11 @@ def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
         help="fully_shard(reshard_after_forward=False): units stay gathered from forward to backward",
     )
     g.add_argument(
-        "--bucket-cap-mb", type=float, default=25.0, metavar="MB", help="DDP's bucket size (default 25)"
+        "--bucket-cap-mb",
+        type=_positive_number,
+        default=None,
+        metavar="MB",
+        help="DDP's bucket size (default 25)",
     )
     g.add_argument(
         "--gradient-as-bucket-view",
@@ -175,6 +254,7 @@ def _add_gpu_flags(p: argparse.ArgumentParser, memory: bool) -> None:
     g = p.add_argument_group("the GPU (with --device cuda)")
     g.add_argument(
         "--cuda-capability",
+        type=_capability,
         metavar="MAJOR.MINOR",
         default=None,
         help="the GPU's compute capability, for a what-if without one (9.0: H100/H200, 8.0: A100); it "
@@ -183,6 +263,7 @@ def _add_gpu_flags(p: argparse.ArgumentParser, memory: bool) -> None:
     if memory:
         g.add_argument(
             "--gpu-memory",
+            type=_size,
             metavar="SIZE",
             default=None,
             help="say whether the step fits a GPU with this much memory (reserved peak + CUDA context)",
@@ -190,38 +271,47 @@ def _add_gpu_flags(p: argparse.ArgumentParser, memory: bool) -> None:
 
 
 def _gpu(args: argparse.Namespace) -> CudaDevice | None:
-    text = getattr(args, "cuda_capability", None)
+    capability = getattr(args, "cuda_capability", None)
     if args.device != "cuda":
-        if text is not None or getattr(args, "gpu_memory", None) is not None:
+        if capability is not None or getattr(args, "gpu_memory", None) is not None:
             raise SpecError("--cuda-capability and --gpu-memory go with --device cuda")
         return None
     local = torch.cuda.is_available()
-    if text is None:
+    if capability is None:
         return None if local else CudaDevice()
-    try:
-        major, minor = (int(x) for x in text.split("."))
-    except ValueError:
-        raise SpecError(f"--cuda-capability must look like 9.0; got {text!r}") from None
     if local:
-        return dataclasses.replace(CudaDevice.local(torch.device("cuda")), capability=(major, minor))
-    return CudaDevice(capability=(major, minor))
+        return dataclasses.replace(CudaDevice.local(torch.device("cuda")), capability=capability)
+    return CudaDevice(capability=capability)
+
+
+#: The flags of one strategy only: given with another (or none), they would be ignored.
+_STRATEGY_FLAGS = {
+    "ddp": (("bucket_cap_mb", "--bucket-cap-mb"), ("gradient_as_bucket_view", "--gradient-as-bucket-view")),
+    "fsdp": (
+        ("fsdp_units", "--fsdp-units"),
+        ("fsdp_param_dtype", "--fsdp-param-dtype"),
+        ("fsdp_reduce_dtype", "--fsdp-reduce-dtype"),
+        ("fsdp_keep_unsharded", "--fsdp-keep-unsharded"),
+    ),
+}
 
 
 def _strategy(args: argparse.Namespace) -> Strategy | None:
-    if getattr(args, "strategy", None) is None:
+    chosen = getattr(args, "strategy", None)
+    for strategy, flags in _STRATEGY_FLAGS.items():
+        for dest, flag in flags:
+            if strategy != chosen and getattr(args, dest, None) not in (None, False):
+                raise SpecError(f"{flag} goes with --strategy {strategy}")
+    if chosen is None:
         if getattr(args, "world_size", None) is not None:
             raise SpecError("--world-size goes with --strategy ddp|fsdp")
         return None
     if args.world_size is None:
         raise SpecError(f"--strategy {args.strategy} needs --world-size N")
-    if args.world_size < 1:
-        raise SpecError(f"--world-size must be at least 1; got {args.world_size}")
     if args.strategy == "ddp":
-        if not args.bucket_cap_mb > 0:
-            raise SpecError(f"--bucket-cap-mb must be more than 0; got {args.bucket_cap_mb}")
         return DDP(
             args.world_size,
-            bucket_cap_mb=args.bucket_cap_mb,
+            bucket_cap_mb=25.0 if args.bucket_cap_mb is None else args.bucket_cap_mb,
             gradient_as_bucket_view=args.gradient_as_bucket_view,
         )
     units = tuple(u.strip() for u in args.fsdp_units.split(",") if u.strip()) if args.fsdp_units else None
@@ -256,7 +346,7 @@ def _add_profile_parser(sub: Any, model_help: str) -> None:
         help=f"sort by a figure, largest first: for nodes {', '.join(NODE_ORDERS[1:])}; for modules "
         f"{', '.join(MODULE_ORDERS[1:])} (default: graph order / module tree order)",
     )
-    p.add_argument("--top", type=int, default=None, metavar="N", help="only the first N rows")
+    p.add_argument("--top", type=_whole(0), default=None, metavar="N", help="only the first N rows")
 
 
 def _add_max_batch_size_parser(sub: Any, model_help: str) -> None:
@@ -266,22 +356,28 @@ def _add_max_batch_size_parser(sub: Any, model_help: str) -> None:
     _add_case_flags(p)
     for action in p._actions:  # the same flag, another meaning here
         if action.dest == "batch_size":
-            action.help = f"the second batch size probed, after 1 (default {DEFAULT_BATCH_SIZE})"
+            action.help = (
+                "the second batch size probed, after the smallest the model accepts (1, else 2, ...; "
+                f"default {DEFAULT_BATCH_SIZE})"
+            )
     p.add_argument(
         "--memory-budget",
+        type=_size,
         required=True,
         metavar="SIZE",
         help="the memory for the step: bytes, or a number and a unit (10GiB, 512MiB, 1.5GB, 8g)",
     )
     p.add_argument(
         "--max-batch-size",
-        type=int,
+        type=_POSITIVE,
         default=DEFAULT_CAP,
         metavar="N",
         dest="cap",
         help=f"the largest batch size considered (default {DEFAULT_CAP})",
     )
+    _add_calibrate_flag(p)  # calibrated at --batch-size and half of it, fitted for the other probes
     _add_strategy_flags(p)
+    _add_gpu_flags(p, memory=False)
 
 
 # ------------------------------------------------------------------------------------------ settings

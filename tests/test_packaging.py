@@ -1,0 +1,33 @@
+"""What ``pip install`` ships: the package with its ``py.typed`` marker (PEP 561), so that users' type
+checkers read its annotations."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_wheel_ships_py_typed(tmp_path: Path) -> None:
+    pytest.importorskip("setuptools")
+    # Built from a copy: setuptools writes its build folders beside the sources.
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "lightning_memest", source / "lightning_memest",
+                    ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+    command = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
+               "-w", str(tmp_path / "dist"), "-q"]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "lightning_memest/py.typed" in names
+    assert "lightning_memest/cli/progress.py" in names
