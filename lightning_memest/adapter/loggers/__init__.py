@@ -1,29 +1,55 @@
-"""The estimate in the trainer's loggers, beyond the scalars every logger takes: one file per logger
-kind, each behind one function ``log_estimate(logger, estimate, measured, final=...)``; add a logger
-by adding its file and its line in ``_WRITERS``."""
+"""The estimate in the trainer's loggers.
+
+``scalars.py`` names the scalars every logger gets (human units, at Lightning's steps); a logger kind
+that shows more has a file of its own behind ``log_scalars(logger, scalars, step)``,
+``log_estimate(logger, estimate, measured, step=...)`` and ``log_hparams(logger, trainer)``: add one
+by adding its file and its line in ``_WRITERS``.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.loggers import Logger, TensorBoardLogger
 
-from lightning_memest.adapter.loggers import tensorboard
+from lightning_memest.adapter.loggers import tensorboard, tensorboard_hparams
 from lightning_memest.report import StepEstimate
 
-__all__ = ["log_figures"]
+__all__ = ["log_figures", "log_hparams", "log_scalars"]
 
 _Writer = Callable[..., None]
-#: (logger class, its writer): the writer gets ``(logger, estimate, measured, final=...)``.
-_WRITERS: tuple[tuple[type[Logger], _Writer], ...] = ((TensorBoardLogger, tensorboard.log_estimate),)
+#: (logger class, its scalars, figures and hparams writers).
+_WRITERS: tuple[tuple[type[Logger], _Writer, _Writer, _Writer], ...] = (
+    (TensorBoardLogger, tensorboard.log_scalars, tensorboard.log_estimate, tensorboard_hparams.log_hparams),
+)
+
+
+def log_scalars(loggers: Iterable[Logger], scalars: Mapping[str, float], step: int) -> None:
+    """The scalars (``scalars.py``) in every logger, at Lightning's ``step``."""
+    for logger in loggers:
+        write = next((w for kind, w, _, _ in _WRITERS if isinstance(logger, kind)), None)
+        if write is not None:
+            write(logger, scalars, step)
+        else:
+            logger.log_metrics(dict(scalars), step=step)
 
 
 def log_figures(
-    loggers: Iterable[Any], estimate: StepEstimate, measured: Sequence[int] | None, *, final: bool
+    loggers: Iterable[Any], estimate: StepEstimate, measured: Sequence[int] | None, *, step: int
 ) -> None:
-    """The estimate (and, when ``final``, the measured peaks per step) in each logger that knows how."""
+    """The estimate's tables and figures (with the measured peak of each step, once known) in each
+    logger that knows how, at Lightning's ``step``."""
     for logger in loggers:
-        for kind, write in _WRITERS:
+        for kind, _, write, _ in _WRITERS:
             if isinstance(logger, kind):
-                write(logger, estimate, measured, final=final)
+                write(logger, estimate, measured, step=step)
+
+
+def log_hparams(trainer: pl.Trainer) -> None:
+    """The memest metrics in each logger's hyperparameter view (at ``on_fit_start``, rank 0)."""
+    for logger in trainer.loggers:
+        for kind, _, _, write in _WRITERS:
+            if isinstance(logger, kind):
+                write(logger, trainer)

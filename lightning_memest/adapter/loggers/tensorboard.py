@@ -1,164 +1,108 @@
-"""The estimate in TensorBoard: a custom-scalars layout, markdown tables, the timeline figure, and the
-figures in the HParams tab.
+"""The estimate in TensorBoard: the scalars as two runs, a custom-scalars layout, markdown tables and the
+timeline figure (the HParams record is ``tensorboard_hparams.py``).
 
-Everything goes through the ``SummaryWriter`` of Lightning's ``TensorBoardLogger``
-(``logger.experiment``); scalars themselves are logged by the callback like any metric.
+TensorBoard colours lines by run, not by tag: two tags of one run drawn on one chart differ only by
+their markers. So an estimate and its measurement (``memest/peak_MiB/estimate`` and ``.../measured``
+to other loggers) go to two runs inside the logger's own, ``memest/estimate`` and ``memest/measured``,
+under one tag, ``memest/peak_MiB``: every scalar dashboard draws them on one chart, in two colours,
+named in the legend. Everything else goes through Lightning's ``TensorBoardLogger`` as usual.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning.pytorch.loggers import TensorBoardLogger
-from matplotlib.figure import Figure
+from lightning.pytorch.utilities import rank_zero_only
+from torch.utils.tensorboard import SummaryWriter
 
-from lightning_memest.engine.events import Phase
-from lightning_memest.report import ModuleStats, StepEstimate, format_bytes, human_flops
+from lightning_memest.adapter.loggers.markdown import breakdown_markdown, top_modules_markdown
+from lightning_memest.adapter.loggers.scalars import (
+    ERROR_PCT,
+    PEAK_ESTIMATE,
+    RESERVED_ESTIMATE,
+)
+from lightning_memest.adapter.loggers.timeline import timeline_figure
+from lightning_memest.report import StepEstimate
 
-_PHASE_COLOURS = {
-    Phase.FORWARD: "#4C72B0",
-    Phase.BACKWARD: "#DD8452",
-    Phase.OPTIMIZER: "#55A868",
-    Phase.ZERO_GRAD: "#8C8C8C",
-}
+__all__ = ["SERIES", "layout", "log_estimate", "log_scalars", "register_layout", "series_of"]
+
 _LAYOUT_FLAG = "_memest_layout_registered"
-_PEAK_NAMES = ("first_step", "steady_state")
-
-__all__ = [
-    "breakdown_markdown",
-    "log_estimate",
-    "log_to_tensorboard",
-    "register_layout",
-    "timeline_figure",
-    "top_modules_markdown",
-]
+_WRITERS = "_memest_series_writers"
+#: The last part of a tag that names a series; each is a run of its own (``memest/<series>``).
+SERIES = ("estimate", "measured")
 
 
-def register_layout(writer: Any) -> None:
-    """One chart per peak with estimated and measured together (a writer takes one layout: once)."""
+def series_of(tag: str) -> tuple[str, str] | None:
+    """``(run, tag)`` of a series' scalar in TensorBoard, ``None`` for a scalar of the logger's run.
+
+    >>> series_of("memest/peak_MiB/measured")
+    ('memest/measured', 'memest/peak_MiB')
+    """
+    head, _, last = tag.rpartition("/")
+    return (f"memest/{last}", head) if last in SERIES and head else None
+
+
+def _series_writer(logger: TensorBoardLogger, run: str) -> SummaryWriter:
+    """The writer of a run inside the logger's (one per logger and run, kept on the logger)."""
+    writers: dict[str, SummaryWriter] = logger.__dict__.setdefault(_WRITERS, {})
+    if run not in writers:
+        writers[run] = SummaryWriter(os.path.join(logger.log_dir, run))
+    return writers[run]
+
+
+@rank_zero_only  # as Lightning's own log_metrics: the other ranks write nothing
+def log_scalars(logger: TensorBoardLogger, scalars: Mapping[str, float], step: int) -> None:
+    """The scalars at ``step``: each series' into its run, the others into the logger's."""
+    own: dict[str, float] = {}
+    used: set[SummaryWriter] = set()
+    for name, value in scalars.items():
+        place = series_of(name)
+        if place is None:
+            own[name] = value
+            continue
+        writer = _series_writer(logger, place[0])
+        writer.add_scalar(place[1], value, global_step=step)
+        used.add(writer)
+    for writer in used:
+        writer.flush()  # these writers are never closed by Lightning: nothing may wait in them
+    if own:
+        logger.log_metrics(own, step=step)
+
+
+def _chart(tag: str) -> list[Any]:
+    """A chart of one scalar; a series' tag is matched in each of its runs (a regex: the whole tag)."""
+    place = series_of(tag)
+    return ["Multiline", [f"^{place[1] if place else tag}$"]]
+
+
+def layout(cuda: bool) -> dict[str, dict[str, list[Any]]]:
+    """The memest category of the Custom Scalars tab: the memory charts (FLOPs, one constant per
+    batch shape, are in the Scalars tab)."""
+    charts = {"peak allocated (MiB): estimate vs measured": _chart(PEAK_ESTIMATE)}
+    if cuda:
+        charts["peak reserved (MiB): estimate vs measured"] = _chart(RESERVED_ESTIMATE)
+    charts["estimate error (%)"] = _chart(ERROR_PCT)
+    return {"memest": charts}
+
+
+def register_layout(writer: Any, cuda: bool) -> None:
+    """The layout, once: a writer takes one (a second call would add a second config)."""
     if getattr(writer, _LAYOUT_FLAG, False):
         return
-    charts = {
-        title: ["Multiline", [f"memest/{name}/estimated_bytes", f"memest/{name}/measured_bytes"]]
-        for title, name in (
-            ("first-step peak (bytes)", "first_step"),
-            ("steady-state peak (bytes)", "steady_state"),
-        )
-    }
-    charts["estimate error (%)"] = [
-        "Multiline",
-        ["memest/first_step/error_pct", "memest/steady_state/error_pct"],
-    ]
-    writer.add_custom_scalars({"memest": charts})
+    writer.add_custom_scalars(layout(cuda))
     setattr(writer, _LAYOUT_FLAG, True)
 
 
-def breakdown_markdown(estimate: StepEstimate, measured: Sequence[int] | None) -> str:
-    """A markdown table: what each estimated peak holds, with the measured peaks below."""
-    peaks = estimate.peaks
-    header = "| | " + " | ".join(f"step {p.step} peak" for p in peaks) + " |"
-    rows = [header, "|---" * (len(peaks) + 1) + "|"]
-    for name, _ in peaks[0].breakdown.items():
-        cells = " | ".join(format_bytes(getattr(p.breakdown, name)) for p in peaks)
-        rows.append(f"| {name.replace('_', ' ')} | {cells} |")
-    rows.append("| **estimated** | " + " | ".join(f"**{format_bytes(p.bytes)}**" for p in peaks) + " |")
-    if measured is not None:
-        rows.append("| measured | " + " | ".join(format_bytes(m) for m in measured) + " |")
-        errors = (f"{100.0 * (p.bytes - m) / m:+.2f} %" for p, m in zip(peaks, measured, strict=False))
-        rows.append("| error | " + " | ".join(errors) + " |")
-    rows.append("")
-    rows.append(
-        "Peaks at: "
-        + "; ".join(f"step {p.step}: `{p.op}` in `{p.module or '(root)'}` ({p.phase.value})" for p in peaks)
-    )
-    return "\n".join(rows)
-
-
-def top_modules_markdown(estimate: StepEstimate, top: int = 10) -> str:
-    """Markdown tables of the layers that save the most for backward, and that compute the most."""
-    leaves = [m for m in estimate.modules.walk() if m.children is None]
-    by_memory = sorted((m for m in leaves if m.saved_bytes > 0), key=lambda m: m.saved_bytes, reverse=True)
-    rows = ["**By activation memory saved for backward**", "", "| module | type | saved | parameters |"]
-    rows.append("|---|---|---|---|")
-    rows += [
-        f"| `{m.path}` | {m.type_name} | {format_bytes(m.saved_bytes)} | {format_bytes(m.parameter_bytes)} |"
-        for m in by_memory[:top]
-    ]
-
-    def step_flops(m: ModuleStats) -> int:
-        return (m.forward_flops or 0) + (m.backward_flops or 0)
-
-    by_flops = sorted((m for m in leaves if step_flops(m) > 0), key=step_flops, reverse=True)
-    rows += [
-        "",
-        "**By FLOPs of one batch (forward + backward)**",
-        "",
-        "| module | type | forward | backward |",
-    ]
-    rows.append("|---|---|---|---|")
-    for m in by_flops[:top]:
-        forward, backward = human_flops(m.forward_flops or 0), human_flops(m.backward_flops or 0)
-        rows.append(f"| `{m.path}` | {m.type_name} | {forward} | {backward} |")
-    return "\n".join(rows)
-
-
-def timeline_figure(estimate: StepEstimate, measured: Sequence[int] | None) -> Figure:
-    """Live bytes over the simulated steps, phases shaded, the measured peaks drawn across."""
-    fig = Figure(figsize=(10, 4), dpi=100)
-    ax = fig.add_subplot()
-    points = estimate.timeline
-    xs = list(range(len(points)))
-    ax.plot(xs, [p.live_bytes / 2**20 for p in points], color="black", linewidth=1, label="estimated live")
-    start = 0
-    for i in range(1, len(points) + 1):
-        if i == len(points) or points[i].phase != points[start].phase or points[i].step != points[start].step:
-            phase = points[start].phase
-            ax.axvspan(start, i, color=_PHASE_COLOURS.get(phase, "#DDDDDD"), alpha=0.15, linewidth=0)
-            start = i
-    for p in estimate.peaks:
-        ax.axhline(p.bytes / 2**20, color="black", linestyle=":", linewidth=0.8)
-    if measured is not None:
-        for step, m in enumerate(measured, start=1):
-            ax.axhline(
-                m / 2**20, color="#C44E52", linestyle="--", linewidth=1, label=f"measured peak, step {step}"
-            )
-    for phase, colour in _PHASE_COLOURS.items():
-        ax.axvspan(0, 0, color=colour, alpha=0.3, label=phase.value)
-    ax.set_xlabel("op (two simulated steps)")
-    ax.set_ylabel("live MiB")
-    ax.set_title(f"lightning_memest: simulated live memory ({estimate.device}, {estimate.precision})")
-    ax.legend(loc="lower right", fontsize="small", ncol=3, framealpha=0.9)
-    ax.set_ylim(bottom=0)
-    ax.margins(x=0)
-    fig.tight_layout()
-    return fig
-
-
-def log_to_tensorboard(
-    writer: Any, estimate: StepEstimate, measured: Sequence[int] | None, step: int
+def log_estimate(
+    logger: TensorBoardLogger, estimate: StepEstimate, measured: Sequence[int] | None, *, step: int
 ) -> None:
-    """The layout, the tables and the figure, into one ``SummaryWriter``."""
-    register_layout(writer)
+    """The layout, the tables and the timeline of ``estimate`` (with the measured peak of each step,
+    once known) at ``step``: Lightning's step of the last batch they describe."""
+    writer = logger.experiment
+    register_layout(writer, cuda=estimate.reserved_bytes is not None)
     writer.add_text("memest/breakdown", breakdown_markdown(estimate, measured), global_step=step)
     writer.add_text("memest/top_modules", top_modules_markdown(estimate), global_step=step)
     writer.add_figure("memest/timeline", timeline_figure(estimate, measured), global_step=step)
-
-
-def log_estimate(
-    logger: TensorBoardLogger, estimate: StepEstimate, measured: Sequence[int] | None, *, final: bool
-) -> None:
-    """Everything of the estimate a ``TensorBoardLogger`` shows beyond scalars; ``final`` once the
-    measured peaks (``measured``, per step) are in: then also the HParams record."""
-    log_to_tensorboard(logger.experiment, estimate, measured, step=len(measured or ()))
-    if not final or measured is None:
-        return
-    # Own tags: log_hyperparams logs its metrics at step 0, which would make TensorBoard drop the later
-    # points of the same tags.
-    metrics = {
-        f"hparams/memest_{_PEAK_NAMES[step]}_{key}": float(value)
-        for step, peak in enumerate(measured)
-        for key, value in (("estimated_bytes", estimate.peaks[step].bytes), ("measured_bytes", peak))
-    }
-    params = {"memest/device": estimate.device, "memest/precision": estimate.precision}
-    logger.log_hyperparams(params, metrics)
