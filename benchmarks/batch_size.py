@@ -1,18 +1,24 @@
 """How fast ``max_batch_size`` finds the largest batch size within a budget, per model.
 
-Run: ``python benchmarks/batch_size.py [--budget 8GiB] [--json] [--workers N]``. For each model it prints
-the max batch size, the estimated peak there, the number of probes (estimator runs of two steps each)
-and the seconds. Each model is searched in a fresh process, as ``memest max-batch-size`` runs (a worker
-for parallel probes can only be forked before the process first runs backward on fake tensors). The
-search is exact with respect to the estimator; the check column confirms it from the probes.
+Run: ``python benchmarks/batch_size.py [--budget 8GiB] [--json] [--workers N] [--modes hand,cold,warm]``.
+For each model it prints the max batch size, the estimated peak there, the number of probes (estimator
+runs of two steps each) and the seconds, in three modes: with the hand-written kernel models
+(``hand``), and with the kernels calibrated on this machine (``calibrate=True``) from an empty
+calibration cache (``cold``, as on a new machine) and again from the cache that run left (``warm``,
+as after an estimate or an earlier search of the model). Each search runs in a fresh process, as
+``memest max-batch-size`` does (a worker for parallel probes can only be forked before the process
+first runs backward on fake tensors). The search is exact with respect to the estimator; the check
+column confirms it from the probes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +48,7 @@ class BatchSizeRow:
     exact: bool
 
 
-def search(index: int, budget: int, workers: int | None) -> dict[str, Any]:
+def search(index: int, budget: int, workers: int | None, calibrate: bool) -> dict[str, Any]:
     spec, inputs, kwargs = MODELS[index]
     case = build_case(spec, inputs, model_kwargs=kwargs)
     cfg = case.config
@@ -53,10 +59,24 @@ def search(index: int, budget: int, workers: int | None) -> dict[str, Any]:
         loss_fn=cfg.loss_fn,
         optimizer=cfg.optimizer,
         workers=workers,
+        calibrate=calibrate,
     )
     peaks = dict(r.probes)
     exact = r.capped or peaks[r.max_batch_size] <= budget < peaks[r.max_batch_size + 1]
     return {"model": spec, **r.to_json(), "exact": exact}
+
+
+def run_child(index: int, args: argparse.Namespace, mode: str, cache: str) -> dict[str, Any]:
+    """One search in a fresh process; ``cache`` is its calibration cache directory."""
+    command = [sys.executable, __file__, "--one", str(index), "--budget", args.budget]
+    if args.workers is not None:
+        command += ["--workers", str(args.workers)]
+    if mode != "hand":
+        command += ["--calibrate"]
+    env = {**os.environ, "MEMEST_CACHE_DIR": cache}
+    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
+    row: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return row
 
 
 def main() -> None:
@@ -64,27 +84,36 @@ def main() -> None:
     parser.add_argument("--budget", default="8GiB")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--workers", type=int, default=None, help="probes at once (default: 2 on 2 cores)")
+    parser.add_argument("--modes", default="hand,cold,warm", help="hand, cold and/or warm (see above)")
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)  # the child's model
+    parser.add_argument("--calibrate", action="store_true", help=argparse.SUPPRESS)  # the child's mode
     args = parser.parse_args()
     budget = parse_size(args.budget)
     if args.one is not None:
-        print(json.dumps(search(args.one, budget, args.workers)))
+        print(json.dumps(search(args.one, budget, args.workers, args.calibrate)))
         return
+    modes = args.modes.split(",")
     rows = []
     for index, (spec, _, _) in enumerate(MODELS):
-        command = [sys.executable, __file__, "--one", str(index), "--budget", args.budget]
-        if args.workers is not None:
-            command += ["--workers", str(args.workers)]
-        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-        row = json.loads(out.strip().splitlines()[-1])
-        r = BatchSizeRow(**row)
-        rows.append(row)
-        if not args.json:
-            print(
-                f"{spec:<34} max {r.max_batch_size:>6}  peak {format_bytes(r.peak_bytes_at_max or 0):>10}"
-                f"  {r.probes:>2} probes  {r.seconds:6.2f} s  exact {r.exact}",
-                flush=True,
-            )
+        cache = tempfile.mkdtemp(prefix="memest-batch-size-")  # cold for this model, warm after
+        for mode in modes:
+            row = {"mode": mode, **run_child(index, args, mode, cache)}
+            rows.append(row)
+            if not args.json:
+                r = BatchSizeRow(**{k: row[k] for k in BatchSizeRow.__dataclass_fields__})
+                calibration = row.get("calibration")
+                note = (
+                    f"  calibration {calibration['seconds']:.2f} s, {calibration['measured']} measured, "
+                    f"{calibration['refined']} at probe sizes"
+                    if calibration
+                    else ""
+                )
+                print(
+                    f"{spec:<34} {mode:<5} max {r.max_batch_size:>6}  "
+                    f"peak {format_bytes(r.peak_bytes_at_max or 0):>10}  {r.probes:>2} probes  "
+                    f"{r.seconds:6.2f} s  exact {r.exact}{note}",
+                    flush=True,
+                )
     if args.json:
         print(json.dumps({"budget_bytes": budget, "rows": rows}))
 

@@ -12,8 +12,11 @@ For each case:
   * calibrated -- the same with the kernels calibrated on this machine (``estimate_case(calibrate=True)``,
     a fresh cache), and the seconds the calibration took the first time (the second estimate reads
     the cache: its calibration seconds are printed too).
-Then the memory of estimating a 7-billion-parameter transformer built on the meta device: the
-process's peak resident-memory growth during the estimate (in a fresh subprocess).
+Then what calibration costs against one real step, in the same process (resnet50 at batch 8 with
+SGD and with Adam: calibration from nothing, interleaved with real steps, median of 3 each; and a
+second estimate from the cache). Then the memory of estimating a 7-billion-parameter transformer built
+on the meta device: the process's peak resident-memory growth during the estimate (in a fresh
+subprocess).
 
     python benchmarks/benchmark.py            # everything (about 10 minutes on 2 cores)
     python benchmarks/benchmark.py --quick    # three models, no 7B run
@@ -123,6 +126,38 @@ def run_case(spec: str, batch_size: int, optimizer: str, precision: str, repeats
     }
 
 
+def calibration_cost(spec: str, batch_size: int, optimizer: str, repeats: int) -> dict[str, Any]:
+    """Seconds of calibrating a case from nothing (no cache) and of one real step, interleaved (the
+    machine is noisy), and of the calibration of a second estimate from the cache."""
+    from lightning_memest.accounting import capture_filter
+    from lightning_memest.accounting.kernels.calibrate import calibrate
+    from lightning_memest.engine.simulate import simulate
+
+    case = build_case(spec, _input(spec, batch_size), optimizer=optimizer)
+    capture = capture_filter(flops=False, calibrate=True)
+    sim = simulate(case.model, case.estimate_batch, case.config, capture=capture)
+    cold: list[float] = []
+    steps: list[float] = []
+    signatures = 0
+    for _ in range(repeats):
+        calibration = calibrate(sim, cache_dir=None)
+        cold.append(calibration.seconds)
+        signatures = calibration.measured
+        steps.append(real_step_seconds(case))
+    estimate_case(case, calibrate=True)  # fills the benchmark's cache
+    cached = estimate_case(case, calibrate=True).calibration
+    return {
+        "model": spec.split(":")[1],
+        "batch": batch_size,
+        "optimizer": optimizer,
+        "signatures": signatures,
+        "calibration_s": statistics.median(cold),
+        "cached_s": cached.seconds if cached is not None else None,
+        "step_s": statistics.median(steps),
+        "ratios": [c / t for c, t in zip(cold, steps, strict=True)],
+    }
+
+
 def flop_overhead(case: Case, repeats: int) -> tuple[float, float]:
     """Seconds of a simulation capturing only what the kernel models need, and of one that also
     captures for FLOPs and counts them (min of ``repeats``, interleaved: the machine is noisy)."""
@@ -229,6 +264,17 @@ def main() -> None:
         )
     worst_cal = max(abs(e) for r in rows for e in r["calibrated_error_pct"])
     print(f"\nworst calibrated |error|: {worst_cal:.3f} %")
+    print("\nWhat calibration costs (from nothing; interleaved with real steps, median of 3):\n")
+    print("| model | batch | optimizer | signatures | calibration s | one real step s | ratio | cached s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for optimizer in ("sgd", "adam"):
+        c = calibration_cost("torchvision.models:resnet50", 8, optimizer, 3)
+        print(
+            f"| {c['model']} | {c['batch']} | {c['optimizer']} | {c['signatures']} "
+            f"| {c['calibration_s']:.2f} | {c['step_s']:.2f} | {statistics.median(c['ratios']):.2f} "
+            f"(each: {', '.join(f'{x:.2f}' for x in c['ratios'])}) | {c['cached_s']:.3f} |",
+            flush=True,
+        )
     print("\n| model | simulation s | with FLOPs s | FLOP overhead |")
     print("|---|---|---|---|")
     for spec, batch_size, optimizer, precision in (CASES[0], CASES[3], CASES[7]):

@@ -35,9 +35,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.test_estimate import CASES, case_input  # noqa: E402
-
 from lightning_memest.cases import build_case, estimate_case, measure_case  # noqa: E402
+from tests.test_estimate import CASES, case_input  # noqa: E402
 
 
 def pair(errors: list[float]) -> str:

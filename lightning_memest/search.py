@@ -5,9 +5,15 @@ the larger of the first step and the steady state) is within a budget. It is exa
 estimator*: ``estimate(max) <= budget < estimate(max + 1)``. Memory is close to affine in the batch
 size, so the search probes two sizes, extrapolates, and then verifies the boundary (``max`` and
 ``max + 1``), falling back to secant and bisection steps where the line was wrong -- typically four
-probes. Every probe is a full fake run of two steps, so a probe costs the same at any batch size; the
+probes. The first size probed is the smallest the step accepts: 1, or, where the step fails at 1 but
+not at a larger size (batch norm over a single value per channel), the first of 2, 4, ... it accepts.
+Every probe is a full fake run of two steps, so a probe costs the same at any batch size; the
 batches are built on the meta device, so no size costs real memory. :func:`search_batch_size` is the
 search itself over any peak model, with its worker process (pairs of probes at once).
+
+With ``calibrate=True`` the probes' kernel memory is this machine's, without a real step per probe:
+two sizes are calibrated in full, every other probe is fitted from them and measured only where the
+fit could move its peak (``search_calibration.py``); the search then starts from those two sizes.
 
     >>> import torch
     >>> from torch import nn
@@ -25,6 +31,7 @@ search itself over any peak model, with its worker process (pairs of probes at o
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import multiprocessing
 import os
@@ -33,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 from torch import nn
@@ -41,18 +48,21 @@ from torch import nn
 from lightning_memest.accounting import PeakProfile, capture_filter, peak_profile
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.engine.distributed import Strategy
-from lightning_memest.engine.simulate import simulate
+from lightning_memest.engine.simulate import Simulation, simulate
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
-from lightning_memest.errors import EstimationError
+from lightning_memest.errors import EstimationError, one_line
 from lightning_memest.report import format_bytes
+from lightning_memest.search_calibration import CalibratedPeaks, SearchCalibration
 
 __all__ = [
     "DEFAULT_CAP",
     "BatchSizeResult",
+    "ProbeModel",
     "Progress",
     "can_fork",
     "max_batch_size",
     "search_batch_size",
+    "search_steps",
 ]
 
 #: The largest batch size the search considers: far beyond any real batch, small enough that the
@@ -70,8 +80,9 @@ Progress = Callable[[int, int], None]
 class BatchSizeResult:
     """The outcome of a batch-size search.
 
-    ``max_batch_size`` is 0 when even one sample is over the budget (``peak_bytes_at_max`` is then
-    ``None``); ``capped`` says the search stopped at ``cap`` with memory to spare.
+    ``max_batch_size`` is 0 when even the smallest batch the step accepts is over the budget
+    (``peak_bytes_at_max`` is then ``None``); ``capped`` says the search stopped at ``cap`` with memory
+    to spare. ``print(result)`` gives :attr:`message`.
     """
 
     max_batch_size: int
@@ -81,16 +92,33 @@ class BatchSizeResult:
     """Every ``(batch_size, peak_bytes)`` estimated, in order."""
     seconds: float
     capped: bool = False
+    smallest: int = 1
+    """Where the search starts: the smallest batch size the step accepts (1, else 2, 4, ...), or the
+    smaller of the calibrated sizes when it fits (the step is not tried below it)."""
+    rejection: str | None = None
+    """Why the step fails below :attr:`smallest` (its error at batch size 1); ``None`` when it did not."""
+    approximate: bool = False
+    """The probes were a CUDA what-if on a machine without a GPU (``StepEstimate.approximate``)."""
+    calibration: SearchCalibration | None = None
+    """What calibrating the kernels took (``calibrate=True``); ``None`` with the hand models."""
+
+    def __str__(self) -> str:
+        return self.message
 
     @property
     def message(self) -> str:
         """One sentence for people."""
         peaks = dict(self.probes)
         budget = format_bytes(self.budget_bytes)
+        below = (
+            ""
+            if self.rejection is None
+            else f" (the step fails below batch size {self.smallest}: {self.rejection})"
+        )
         if self.max_batch_size == 0:
             return (
-                f"even batch size 1 is over the memory budget: its estimated peak is "
-                f"{format_bytes(peaks[1])}, the budget {budget}"
+                f"even batch size {self.smallest} is over the memory budget: its estimated peak is "
+                f"{format_bytes(peaks[self.smallest])}, the budget {budget}{below}"
             )
         assert self.peak_bytes_at_max is not None
         text = (
@@ -98,8 +126,9 @@ class BatchSizeResult:
             f"(estimated peak {format_bytes(self.peak_bytes_at_max)}"
         )
         if self.capped:
-            return text + f"); the search stops at {self.max_batch_size}, a larger one may fit too"
-        return text + f"; {self.max_batch_size + 1} needs {format_bytes(peaks[self.max_batch_size + 1])})"
+            return text + f"); the search stops at {self.max_batch_size}, a larger one may fit too{below}"
+        after = self.max_batch_size + 1
+        return text + f"; {after} needs {format_bytes(peaks[after])}){below}"
 
     def to_json(self) -> dict[str, Any]:
         """What ``memest max-batch-size --json`` prints."""
@@ -108,7 +137,35 @@ class BatchSizeResult:
             "peak_bytes_at_max": self.peak_bytes_at_max,
             "probes": len(self.probes),
             "seconds": round(self.seconds, 3),
+            "smallest": self.smallest,
+            "approximate": self.approximate,
+            **({"calibration": self.calibration.to_json()} if self.calibration is not None else {}),
         }
+
+
+@runtime_checkable
+class ProbeModel(Protocol):
+    """A peak model with a say in how the search runs it (:class:`CalibratedPeaks`): a plain
+    ``peak_of(n)`` is one too, with nothing to prepare or share."""
+
+    def __call__(self, n: int) -> int | PeakProfile: ...
+
+    def prepare(self) -> tuple[dict[int, PeakProfile], bool]:
+        """Run here once the worker is forked: probes already answered, and whether the worker may
+        answer probes."""
+        ...
+
+    def share(self) -> object:
+        """What the worker needs for its next probe (sent with it)."""
+        ...
+
+    def receive(self, shared: Any) -> None:
+        """In the worker: what :meth:`share` sent."""
+        ...
+
+    def finish(self, answer: int | PeakProfile) -> int | PeakProfile:
+        """Here: the worker's answer made final."""
+        ...
 
 
 @dataclass
@@ -119,18 +176,42 @@ class _Search:
     probes: list[tuple[int, int]] = field(default_factory=list)
     known: dict[int, int] = field(default_factory=dict)
     curves: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    rejected: dict[int, EstimationError] = field(default_factory=dict)
+    """The sizes the step failed at, with the failure."""
     worker: _Worker | None = None
 
     def peak(self, n: int) -> int:
-        if n not in self.known:
-            try:
-                answer = self.peak_of(n)
-            except EstimationError as e:
-                raise _at_batch_size(e, n) from e
-            self._record(n, answer)
+        if not self.accepts(n):
+            e = self.rejected[n]
+            raise _at_batch_size(e, n) from e
         return self.known[n]
 
-    def _record(self, n: int, answer: int | PeakProfile) -> None:
+    def accepts(self, n: int) -> bool:
+        """Whether the step runs at batch size ``n`` (probing it once; a failure is kept)."""
+        if n not in self.known and n not in self.rejected:
+            try:
+                self.record(n, self.peak_of(n))
+            except EstimationError as e:
+                self.rejected[n] = e
+        return n in self.known
+
+    def smallest(self, start: int, low: int = 1) -> int:
+        """The smallest batch size the step accepts: 1, else the first of 2, 4, ... up to ``start``
+        (a step that fails at 1 but runs at a larger size rejects small batches -- batch norm over one
+        value per channel -- rather than the model). Raises the failure at 1 where all fail. With
+        ``low`` > 1, ``low`` when it fits the budget (the answer is not below it, so nothing is)."""
+        self.prefetch([low, start])
+        if low > 1 and self.accepts(low) and self.fits(low):
+            return low
+        self.prefetch([1, start])
+        n = 1
+        while not self.accepts(n):
+            if n >= start:  # the step fails at every size tried: the first failure says why
+                raise _at_batch_size(self.rejected[1], 1) from self.rejected[1]
+            n = min(n * 2, start)
+        return n
+
+    def record(self, n: int, answer: int | PeakProfile) -> None:
         if isinstance(answer, PeakProfile):
             value = answer.peak
             # Shifted so that its top is the peak (a CUDA peak counts whole allocator blocks).
@@ -153,17 +234,15 @@ class _Search:
             return
         worker.submit(todo[1])
         try:
-            here = self.peak_of(todo[0])
-        except EstimationError:
-            worker.result()
-            raise
-        self._record(todo[0], here)
-        there = worker.result()
+            self.record(todo[0], self.peak_of(todo[0]))
+        except EstimationError as e:
+            self.rejected[todo[0]] = e  # raised, with its batch size, where the search needs that size
+        there = worker.answer()
         if there is None:
             self.worker = None
             worker.close()
         else:
-            self._record(todo[1], there)
+            self.record(todo[1], there)
 
     def fits(self, n: int) -> bool:
         return self.peak(n) <= self.budget
@@ -198,26 +277,37 @@ def search_batch_size(
     cap: int = DEFAULT_CAP,
     progress: Progress | None = None,
     workers: int = 1,
+    low: int = 1,
 ) -> BatchSizeResult:
     """The largest ``n <= cap`` with ``peak_of(n) <= budget_bytes < peak_of(n + 1)`` (0: none fits).
 
     ``peak_of`` is any peak model (one estimator run per call; each ``n`` is asked once), returning the
-    peak or a :class:`~lightning_memest.estimate.PeakProfile`. It probes 1 and ``start``, extrapolates
-    to the budget (through the two probes nearest the boundary: the lines of their memory curves when
-    it has them, else the line of their peaks), and verifies the guess and its neighbour; when the
+    peak or a :class:`~lightning_memest.estimate.PeakProfile`. It probes the smallest size ``peak_of``
+    accepts (1, else 2, 4, ... where it raises :class:`EstimationError` below some size) and ``start``,
+    extrapolates to the budget (through the two probes nearest the boundary: the lines of their memory
+    curves when it has them, else the line of their peaks), and verifies the guess and its neighbour; when the
     guess was wrong, the next guesses interpolate inside the bracket, and bisect when that does not
     halve it. The result is exact for any ``peak_of`` that is non-decreasing; for one that is not, the
     answer is still a size that fits next to one that does not.
 
     With ``workers`` > 1 (and where :func:`can_fork`), pairs of probes run at once, one in a worker
     process forked at the start: 1 and ``start``, and a guess from the curves with its neighbour (one
-    of them may go unused: it is still listed among the probes).
+    of them may go unused: it is still listed among the probes). With ``low`` > 1 the first pair is
+    ``low`` and ``start``, and sizes below ``low`` are probed only if ``low`` does not fit. A
+    :class:`ProbeModel` is prepared once the worker is forked (its answers count as probes).
 
     >>> r = search_batch_size(lambda n: 1000 + 37 * n, 10_000)
     >>> r.max_batch_size, [n for n, _ in r.probes]  # an affine peak: two probes to fit, two to verify
     (243, [1, 8, 243, 244])
     >>> search_batch_size(lambda n: 100 * n, 50).max_batch_size
     0
+    >>> def rejects_one(n: int) -> int:  # a step that fails at batch size 1 (batch norm, say)
+    ...     if n == 1:
+    ...         raise EstimationError("Expected more than 1 value per channel when training")
+    ...     return 1000 + 37 * n
+    >>> r = search_batch_size(rejects_one, 10_000)
+    >>> r.max_batch_size, r.smallest, [n for n, _ in r.probes]
+    (243, 2, [2, 8, 243, 244])
     """
     if budget_bytes < 0:
         raise ValueError(f"the budget must not be negative; got {budget_bytes}")
@@ -226,23 +316,35 @@ def search_batch_size(
     began = time.perf_counter()
     s = _Search(peak_of, budget_bytes, progress, worker=_start_worker(peak_of) if workers > 1 else None)
     try:
-        return _search(s, budget_bytes, start, cap, began)
+        if isinstance(peak_of, ProbeModel):
+            known, parallel = peak_of.prepare()
+            for n, answer in sorted(known.items()):
+                s.record(n, answer)
+            if not parallel and s.worker is not None:
+                s.worker.close()
+                s.worker = None
+        return _search(s, budget_bytes, start, cap, began, low)
     finally:
         if s.worker is not None:
             s.worker.close()
 
 
-def _search(s: _Search, budget_bytes: int, start: int, cap: int, began: float) -> BatchSizeResult:
+def _search(
+    s: _Search, budget_bytes: int, start: int, cap: int, began: float, low: int = 1
+) -> BatchSizeResult:
+    start = min(max(start, 2), cap)
+    smallest = s.smallest(start, min(max(low, 1), start))
+    rejection = one_line(s.rejected[1]) if 1 in s.rejected and smallest > 1 else None
+
     def result(n: int, capped: bool = False) -> BatchSizeResult:
         peak = s.known[n] if n else None
-        return BatchSizeResult(n, peak, budget_bytes, tuple(s.probes), time.perf_counter() - began, capped)
+        seconds = time.perf_counter() - began
+        return BatchSizeResult(n, peak, budget_bytes, tuple(s.probes), seconds, capped, smallest, rejection)
 
-    start = min(max(start, 2), cap)
-    s.prefetch([1, start])
-    if not s.fits(1):
+    if not s.fits(smallest):
         return result(0)
-    lo, hi = 1, None  # lo fits, hi (when known) does not; the answer is in [lo, hi - 1]
-    if start > 1:
+    lo, hi = smallest, None  # lo fits, hi (when known) does not; the answer is in [lo, hi - 1]
+    if start > smallest:
         if s.fits(start):
             lo = start
         else:
@@ -316,6 +418,7 @@ def max_batch_size(
     strategy: Strategy | None = None,
     gpu: CudaDevice | None = None,
     workers: int | None = None,
+    calibrate: bool = False,
 ) -> BatchSizeResult:
     """The largest batch size whose training steps' estimated peak is within ``budget_bytes``.
 
@@ -326,7 +429,9 @@ def max_batch_size(
     where the machine has two cores and :func:`can_fork` allows it); ``start`` is the second size
     probed (after 1) and ``cap`` the largest size considered. The search is :func:`search_batch_size` over
     ``estimate_step(...).peak_bytes``; an :class:`~lightning_memest.errors.EstimationError` of a probe
-    propagates, with the batch size named.
+    propagates, with the batch size named. ``calibrate``: the kernels' memory measured on this machine
+    (``estimate_step(..., calibrate=True)``) without a real step per probe: ``start`` and half of it
+    are calibrated in full and the other probes fitted from them (:func:`search_steps`).
 
     Example:
         >>> import torch
@@ -337,17 +442,63 @@ def max_batch_size(
     """
 
     config = StepConfig(loss_fn, optimizer, cast(Precision, precision), strategy)  # validates itself
+    what_if: list[bool] = []  # whether the probes run here were CUDA what-ifs
+    # estimate_step(...).peak_bytes, without FLOPs or the report: a probe only needs the peak.
+    capture = capture_filter(flops=False, calibrate=calibrate)
 
-    def peak_of(n: int) -> PeakProfile:
-        # estimate_step(...).peak_bytes, without FLOPs or the report: a probe only needs the peak.
-        sim = simulate(
-            model, make_batch(n), config, device=device, steps=steps, capture=capture_filter(flops=False)
-        )
-        return peak_profile(sim, gpu)
+    def simulate_at(n: int) -> Simulation:
+        sim = simulate(model, make_batch(n), config, device=device, steps=steps, capture=capture)
+        what_if.append(sim.what_if is not None)
+        return sim
 
     if workers is None:
         workers = min(2, os.cpu_count() or 1)
-    return search_batch_size(peak_of, budget_bytes, start=start, cap=cap, progress=progress, workers=workers)
+    result = search_steps(
+        simulate_at,
+        budget_bytes,
+        start=start,
+        cap=cap,
+        progress=progress,
+        workers=workers,
+        gpu=gpu,
+        calibrate=calibrate,
+    )
+    return dataclasses.replace(result, approximate=any(what_if))
+
+
+def search_steps(
+    simulate_at: Callable[[int], Simulation],
+    budget_bytes: int,
+    *,
+    start: int = 8,
+    cap: int = DEFAULT_CAP,
+    progress: Progress | None = None,
+    workers: int = 1,
+    gpu: CudaDevice | None = None,
+    calibrate: bool = False,
+) -> BatchSizeResult:
+    """:func:`search_batch_size` over simulated steps: ``simulate_at(n)`` is the step at batch size ``n``
+    on fake tensors, simulated with ``capture_filter(flops=False, calibrate=calibrate)``.
+
+    With ``calibrate``, the kernels' memory is this machine's (:class:`CalibratedPeaks`): the steps at
+    ``start`` (the batch in hand) and half of it are calibrated in full, which is where the search
+    starts; every other probe's kernels are fitted from those two and measured at the probe's own size
+    where the fit could move its peak. :attr:`BatchSizeResult.calibration` says what that took.
+    """
+    if not calibrate:
+
+        def peak_of(n: int) -> PeakProfile:
+            return peak_profile(simulate_at(n), gpu)
+
+        return search_batch_size(
+            peak_of, budget_bytes, start=start, cap=cap, progress=progress, workers=workers
+        )
+    peaks = CalibratedPeaks(simulate_at, start=min(max(start, 2), cap), gpu=gpu)
+    low, high = peaks.anchors
+    result = search_batch_size(
+        peaks, budget_bytes, start=high, cap=cap, progress=progress, workers=workers, low=low
+    )
+    return dataclasses.replace(result, calibration=peaks.summary())
 
 
 def can_fork() -> bool:
@@ -364,8 +515,9 @@ def can_fork() -> bool:
 
 def _start_worker(peak_of: Callable[[int], int | PeakProfile]) -> _Worker | None:
     """A worker for the search, or ``None`` where forking is unsafe or the child cannot run backward
-    (autograd refuses in a child forked after this process ran backward on fake tensors: the worker
-    is forked before the search's own first probe, and says at once whether it can)."""
+    (autograd refuses in a child forked after this process started its device threads for other
+    devices: the worker is forked before the search's own first probe, and says at once whether it
+    can)."""
     if not can_fork():
         return None
     worker = _Worker(peak_of)
@@ -379,6 +531,7 @@ class _Worker:
     """A forked process that answers probes for the search (``None`` for one it could not answer)."""
 
     def __init__(self, peak_of: Callable[[int], int | PeakProfile]) -> None:
+        self._model = peak_of if isinstance(peak_of, ProbeModel) else None
         ctx = multiprocessing.get_context("fork")
         self._conn, child_end = ctx.Pipe()
         self._process = ctx.Process(target=_serve, args=(peak_of, child_end), daemon=True)
@@ -387,7 +540,17 @@ class _Worker:
         self.ready = self.result() == 0  # the child's first answer: whether it can run backward
 
     def submit(self, n: int) -> None:
-        self._conn.send(n)
+        self._conn.send((n, self._model.share() if self._model is not None else None))
+
+    def answer(self) -> int | PeakProfile | None:
+        """The answer to the probe submitted, made final here (a :class:`ProbeModel`'s ``finish``)."""
+        answer = self.result()
+        if answer is None or self._model is None:
+            return answer
+        try:
+            return self._model.finish(answer)
+        except Exception:
+            return None  # the search probes that size here instead
 
     def result(self) -> int | PeakProfile | None:
         try:
@@ -406,16 +569,20 @@ class _Worker:
 
 
 def _serve(peak_of: Callable[[int], int | PeakProfile], conn: Any) -> None:
-    # A child forked after the parent ran backward on another device than the CPU (fake tensors' is
-    # meta) cannot run backward (autograd's device threads): say so at once; the search runs alone.
+    # A child forked after the parent started autograd's threads for other devices than the CPU cannot
+    # run backward (the engine settles them first, engine/autograd_threads.py, but a process may have
+    # started them itself): say so at once; the search runs alone.
     try:
         torch.ones(1, device="meta", requires_grad=True).sum().backward()  # type: ignore[no-untyped-call]
     except RuntimeError:
         conn.send(None)
         return
     conn.send(0)
-    while (n := conn.recv()) is not None:
+    while (message := conn.recv()) is not None:
+        n, shared = message
         try:
+            if isinstance(peak_of, ProbeModel):
+                peak_of.receive(shared)
             answer = peak_of(n)
         except BaseException:
             answer = None

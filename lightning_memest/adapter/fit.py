@@ -26,7 +26,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
 
-from lightning_memest.accounting import PeakProfile, account, capture_filter, peak_profile
+from lightning_memest.accounting import account, capture_filter
 from lightning_memest.accounting.kernels.calibrate import calibrate as calibrate_kernels
 from lightning_memest.adapter.runner import LightningRunner
 from lightning_memest.batches import batch_size_of, resize_batch
@@ -35,9 +35,9 @@ from lightning_memest.engine.simulate import Simulation, simulate
 from lightning_memest.engine.step import Precision, StepConfig, StepListener, check_precision
 from lightning_memest.errors import EstimationError
 from lightning_memest.report import StepEstimate
-from lightning_memest.search import DEFAULT_CAP, BatchSizeResult, Progress, search_batch_size
+from lightning_memest.search import DEFAULT_CAP, BatchSizeResult, Progress, search_steps
 
-__all__ = ["FitSetup", "first_batch", "fit_setup"]
+__all__ = ["FitSetup", "dataset_length", "first_batch", "fit_setup", "train_loader"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,17 +133,20 @@ class FitSetup:
         batch_size: int | None = None,
         cap: int = DEFAULT_CAP,
         progress: Progress | None = None,
+        calibrate: bool = False,
     ) -> BatchSizeResult:
         """:func:`~lightning_memest.search.max_batch_size` for the module as this fit trains it: the
         tensors of :attr:`batch` whose leading size is ``batch_size`` (default: ``batch_size_of`` the
         batch) are resized on the meta device for each probe, and the module's own ``training_step``
-        runs."""
+        runs; ``calibrate``: the kernels measured on the device (``search.search_steps``)."""
         old = batch_size_of(self.batch) if batch_size is None else batch_size
 
-        def peak_of(n: int) -> PeakProfile:
-            return peak_profile(self.simulate(resize_batch(self.batch, old, n), flops=False))
+        def simulate_at(n: int) -> Simulation:
+            return self.simulate(resize_batch(self.batch, old, n), flops=False, calibrate=calibrate)
 
-        return search_batch_size(peak_of, budget_bytes, start=old, cap=cap, progress=progress)
+        return search_steps(
+            simulate_at, budget_bytes, start=old, cap=cap, progress=progress, calibrate=calibrate
+        )
 
 
 def fit_setup(
@@ -209,19 +212,44 @@ def _strategy(trainer: pl.Trainer) -> Strategy | None:
 _SHARDED = frozenset({"FSDPStrategy", "ModelParallelStrategy", "DeepSpeedStrategy", "XLAFSDPStrategy"})
 
 
-def first_batch(trainer: pl.Trainer, pl_module: pl.LightningModule) -> Any:
-    """One batch from a fresh iterator over the train dataloader(s) the trainer will use.
+def train_loader(trainer: pl.Trainer) -> CombinedLoader | None:
+    """The train dataloader(s) the trainer will use, combined as the fit loop combines them (built
+    anew: ``train_dataloader`` is called); ``None`` without any."""
+    source = trainer.fit_loop._data_source
+    if not source.is_defined():
+        return None
+    with _rng_kept(trainer):  # a train_dataloader may draw (a random dataset), training must not notice
+        return CombinedLoader(source.dataloader(), "max_size_cycle")
+
+
+def _rng_kept(trainer: pl.Trainer) -> contextlib.AbstractContextManager[None]:
+    device = trainer.strategy.root_device
+    return torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else [])
+
+
+def dataset_length(loader: CombinedLoader) -> int | None:
+    """The length of the dataset(s) behind ``loader`` as Lightning's ``BatchSizeFinder`` reads it (the
+    longest, in ``max_size_cycle``); ``None`` for iterable-style datasets."""
+    try:
+        return loader._dataset_length()
+    except NotImplementedError:
+        return None
+
+
+def first_batch(
+    trainer: pl.Trainer, pl_module: pl.LightningModule, loader: CombinedLoader | None = None
+) -> Any:
+    """One batch from a fresh iterator over the train dataloader(s) the trainer will use (``loader``,
+    if given: :func:`train_loader`'s).
 
     Falls back to the module's ``example_input_array``. ``on_before_batch_transfer`` is applied, as
     the fit loop would; ``on_after_batch_transfer`` runs inside the simulation, on fake tensors. The
     global RNG is left as it was: a fresh (shuffling) iterator draws its seed from it, and training
     must not notice.
     """
-    source = trainer.fit_loop._data_source
-    if source.is_defined():
-        device = trainer.strategy.root_device
-        with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
-            combined = CombinedLoader(source.dataloader(), "max_size_cycle")
+    combined = loader if loader is not None else train_loader(trainer)
+    if combined is not None:
+        with _rng_kept(trainer):
             batch, _, _ = next(iter(combined))
     elif pl_module.example_input_array is not None:
         batch = pl_module.example_input_array

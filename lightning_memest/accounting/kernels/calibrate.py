@@ -63,6 +63,8 @@ __all__ = [
     "Calibration",
     "calibratable",
     "calibrate",
+    "calibrate_calls",
+    "calibrated_calls",
     "default_cache_dir",
     "outputs_only",
     "signature",
@@ -253,12 +255,16 @@ def _preserved_generators(device: torch.device) -> Iterator[None]:
         yield
 
 
+def calibrated_calls(sim: Simulation) -> list[OpCall]:
+    """The calls of ``sim`` that calibration measures, in the order the step made them (repeats too)."""
+    calls = (e.call for e in sim.events if type(e) is OpEvent)
+    return [c for c in calls if c is not None and calibratable(c.op) and not outputs_only(c)]
+
+
 def _distinct_calls(sim: Simulation) -> dict[str, OpCall]:
     calls: dict[str, OpCall] = {}
-    for e in sim.events:
-        call = e.call if type(e) is OpEvent else None
-        if call is not None and calibratable(call.op) and not outputs_only(call):
-            calls.setdefault(signature(call), call)
+    for call in calibrated_calls(sim):
+        calls.setdefault(signature(call), call)
     return calls
 
 
@@ -276,9 +282,21 @@ def calibrate(
     """
     if sim.what_if is not None:
         raise ValueError(f"a {sim.what_if} what-if ran on another device: there is nothing to calibrate")
-    device = sim.device
+    return calibrate_calls(_distinct_calls(sim), sim.device, cache_dir=cache_dir, measure=measure)
+
+
+def calibrate_calls(
+    calls: Mapping[str, OpCall],
+    device: torch.device,
+    *,
+    cache_dir: Path | str | bool | None = True,
+    measure: bool = True,
+) -> Calibration:
+    """:func:`calibrate` of some calls (by :func:`signature`) on ``device``: the few a batch-size
+    search measures at a probe's size (``search_kernels.py``). A call whose input is a placeholder
+    another call of the step produces is measured only where that producer's size is known (the
+    cache, or ``calls``); the others keep their hand models."""
     start = time.perf_counter()
-    calls = _distinct_calls(sim)
     directory = default_cache_dir() if cache_dir is True else Path(cache_dir) if cache_dir else None
     path = _cache_file(directory, device.type) if directory is not None else None
     known = _load(path) if path is not None else {}

@@ -4,7 +4,9 @@ run and keeps the answers).
 
 Inputs are zero-filled tensors of the call's shapes, strides and dtypes (zeros: valid indices and
 targets, and no denormal or NaN slow paths), made before the op; the op runs in the grad mode the step
-called it in, without autocast; its outputs are dropped after it. On the CPU one profiler of the
+called it in, without autocast; its outputs are dropped after it. On the CPU the inputs an op only
+reads are views of one zero-filled pool, made once for all the ops (zero-filling fresh memory for each
+input took a quarter of a calibration); those it writes are its own. On the CPU one profiler of the
 allocator's events runs around all the ops, each in its own window; on CUDA ``memory_allocated`` and
 ``max_memory_allocated`` bracket each op. A :class:`Guard` keeps consumers of placeholder outputs (a meta
 kernel's empty stand-in for a real buffer) from reading past the end of an input.
@@ -12,6 +14,7 @@ kernel's empty stand-in for a real buffer) from reading past the end of an input
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -22,7 +25,7 @@ from torch.profiler import record_function
 from torch.utils._pytree import tree_leaves
 
 from lightning_memest.accounting.kernels.model import CPU_KERNELS, CUDA_KERNELS, KernelMemory
-from lightning_memest.allocator_events import CpuMemoryProfile, quiet_gc, window_figures
+from lightning_memest.allocator_events import CpuMemoryProfile, window_figures
 from lightning_memest.engine.events import OpCall, TensorMeta
 
 __all__ = ["Guard", "fits", "hand_model", "measure_cpu", "measure_cuda"]
@@ -39,6 +42,33 @@ def _real(meta: TensorMeta, device: torch.device) -> Tensor:
         return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)
     size = 1 + sum((s - 1) * st for s, st in zip(meta.shape, meta.stride, strict=True))
     return torch.zeros(size, dtype=meta.dtype, device=device).as_strided(meta.shape, meta.stride)
+
+
+def _extent(meta: TensorMeta) -> int:
+    """Bytes from a tensor's first element to one past its last (what its storage needs)."""
+    if any(s == 0 for s in meta.shape):
+        return 0
+    return (1 + sum((s - 1) * st for s, st in zip(meta.shape, meta.stride, strict=True))) * meta.itemsize
+
+
+def _written(call: OpCall) -> set[str]:
+    """The names of the arguments ``call``'s op writes (``Tensor(a!)`` in its schema)."""
+    return {a.name for a in call.op._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+
+
+def _read_only_bytes(call: OpCall) -> int:
+    """The largest extent among the tensors ``call`` only reads (what the pool must hold for it)."""
+    written = _written(call)
+    sizes = [0]
+    for argument, value in _named_args(call):
+        if argument not in written:
+            sizes.extend(_extent(v) for v in tree_leaves(value) if isinstance(v, TensorMeta))
+    return max(sizes)
+
+
+def _named_args(call: OpCall) -> list[tuple[str, Any]]:
+    names = [a.name for a in call.op._schema.arguments]
+    return [*zip(names, call.args, strict=False), *call.kwargs.items()]
 
 
 def _tensor_bytes(values: Any) -> int:
@@ -90,23 +120,34 @@ class Guard:
             isinstance(v, TensorMeta) and v in self.unknown and v not in self.sizes for v in values
         )
 
-    def materialize(self, value: Any, device: torch.device) -> Any:
+    def materialize(self, value: Any, device: torch.device, pool: Tensor | None = None) -> Any:
         """``value`` with every ``TensorMeta`` made a real zero-filled tensor (a placeholder at its real
-        size), nested lists and tuples included."""
+        size), nested lists and tuples included; a view of ``pool`` (zero-filled bytes) where given."""
         if isinstance(value, TensorMeta):
             real = self.sizes.get(value)
             if real is not None:
                 return torch.zeros(-(-real // value.itemsize), dtype=value.dtype, device=device)
+            if pool is not None and 0 < _extent(value) <= pool.numel():
+                flat = pool[: _extent(value)].view(value.dtype)
+                return flat.as_strided(value.shape, value.stride)
             return _real(value, device)
         if isinstance(value, (list, tuple)):
-            return type(value)(self.materialize(v, device) for v in value)
+            return type(value)(self.materialize(v, device, pool) for v in value)
         return value
 
-    def inputs(self, call: OpCall, device: torch.device) -> tuple[Any, dict[str, Any], set[int]]:
+    def inputs(
+        self, call: OpCall, device: torch.device, pool: Tensor | None = None
+    ) -> tuple[Any, dict[str, Any], set[int]]:
         """Real inputs of ``call`` on ``device``, and the storages they hold (outputs on those are not
-        new allocations)."""
-        args = self.materialize(call.args, device)
-        kwargs = {k: self.materialize(v, device) for k, v in call.kwargs.items()}
+        new allocations); those the op only reads are views of ``pool`` where given."""
+        written = _written(call)
+        names = [a.name for a in call.op._schema.arguments]
+
+        def real(name: str, value: Any) -> Any:
+            return self.materialize(value, device, None if name in written else pool)
+
+        args = tuple(real(name, v) for name, v in zip(names, call.args, strict=False))
+        kwargs = {k: real(k, v) for k, v in call.kwargs.items()}
         held = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)}
         return args, kwargs, held
 
@@ -115,12 +156,28 @@ class _Unsafe(Exception):
     """An op left alone: an input of it would be a placeholder of unknown real size (see ``_Guard``)."""
 
 
+@contextmanager
+def _gc_off() -> Iterator[None]:
+    """No cyclic garbage collection while the ops run: a collection inside an op's window would free
+    older blocks there. Without ``quiet_gc``'s collection first (half a second after a simulation):
+    with the collector off, nothing but the ops themselves frees anything inside a window."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def measure_cpu(calls: Sequence[OpCall], guard: Guard) -> list[KernelMemory | BaseException | None]:
     """Each call run alone on the CPU, inside one profiler of the allocator's events: inputs are made
     before the op's window, outputs dropped after it."""
     device = torch.device("cpu")
     outcomes: list[tuple[_Sizes, set[int]] | BaseException] = []
-    with quiet_gc(), CpuMemoryProfile() as prof:
+    # Aligned for any dtype: a view's offset is 0.
+    pool = torch.zeros(max((_read_only_bytes(c) for c in calls), default=0), dtype=torch.uint8)
+    with _gc_off(), CpuMemoryProfile() as prof:
         for i, call in enumerate(calls):
             failure: BaseException | None = None if guard.safe(call) else _Unsafe(str(call.op))
             args: Any = ()
@@ -128,7 +185,7 @@ def measure_cpu(calls: Sequence[OpCall], guard: Guard) -> list[KernelMemory | Ba
             inputs: set[int] = set()
             if failure is None:
                 try:
-                    args, kwargs, inputs = guard.inputs(call, device)
+                    args, kwargs, inputs = guard.inputs(call, device, pool)
                 except Exception as exc:  # an input this machine cannot make: the hand model holds
                     failure = exc
             with record_function(f"{_WINDOW}{i}"):
