@@ -45,6 +45,7 @@ __all__ = [
     "CUDA_MARGIN_BYTES",
     "CUDA_RESERVED_OVERHEAD",
     "PrecheckResult",
+    "budget_for",
     "device_budget",
     "parse_size",
     "precheck",
@@ -156,7 +157,39 @@ def device_budget(
     return max(0, int((free + reclaimable - margin) / factor))
 
 
+def budget_for(
+    estimate: StepEstimate,
+    device: str | torch.device,
+    *,
+    memory_budget: int | str | None = None,
+    margin_bytes: int | None = None,
+) -> int:
+    """The budget ``estimate`` is checked against: ``memory_budget`` (bytes or ``"10GiB"``) where given,
+    else what :func:`device_budget` finds, with what the estimate counts that already takes memory (the
+    parameters, buffers and other tensors at the first peak) given back on a CPU, whose available memory
+    no longer shows it (CUDA's reserved bytes do).
+
+    >>> import torch
+    >>> from lightning_memest import estimate_step
+    >>> budget_for(estimate_step(torch.nn.Linear(4, 4), torch.randn(2, 4)), "cpu", memory_budget="1GiB")
+    1073741824
+    """
+    if memory_budget is not None:
+        return parse_size(memory_budget) if isinstance(memory_budget, str) else memory_budget
+    first = estimate.first_step.breakdown
+    resident = first.parameters + first.buffers + first.other_tensors
+    dev = torch.device(device)
+    return device_budget(dev, margin_bytes=margin_bytes, resident_bytes=resident if dev.type == "cpu" else 0)
+
+
 # ---------------------------------------------------------------------------------------- pre-check
+#: What each loop's estimate is of, in the pre-check's words.
+_LOOP_STEPS = {
+    "train": "a training step",
+    "validate": "a validation batch",
+    "test": "a test batch",
+    "predict": "a predict batch",
+}
 
 
 @dataclass(frozen=True)
@@ -188,12 +221,14 @@ def precheck(
     *,
     batch_size: int | None = None,
     max_fit: Callable[[], int | None] | None = None,
+    what: str | None = None,
 ) -> PrecheckResult:
     """Compare the estimated peak with ``budget_bytes`` (from :func:`device_budget`, say).
 
     ``max_fit`` computes the largest batch size that fits (a batch-size search: ``FitSetup.max_batch_size`` in ``fit``);
     it is called only when the estimate does not fit, as it costs a few estimator runs. The message
-    names the estimated peak, the budget, the batch size in use and the largest that fits.
+    names what runs (``what``, else the estimate's loop: "a training step", "a validation batch" ...),
+    the estimated peak, the budget, the batch size in use and the largest that fits.
 
     Example:
         >>> import torch
@@ -209,8 +244,9 @@ def precheck(
     """  # noqa: E501
     peak = estimate.peak_bytes
     at = f" at batch size {batch_size}" if batch_size is not None else ""
+    what = what or _LOOP_STEPS.get(estimate.loop, f"a {estimate.loop} batch")
     amounts = (
-        f"the estimated peak of a training step{at}, {format_bytes(peak)} ({peak:,} B), is {{}} the "
+        f"the estimated peak of {what}{at}, {format_bytes(peak)} ({peak:,} B), is {{}} the "
         f"memory budget of {format_bytes(budget_bytes)} ({budget_bytes:,} B)"
     )
     if peak <= budget_bytes:

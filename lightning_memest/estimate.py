@@ -13,6 +13,7 @@ from lightning_memest.accounting import account, capture_filter
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.accounting.kernels.calibrate import calibrate as calibrate_kernels
 from lightning_memest.engine.distributed import Strategy
+from lightning_memest.engine.inference_step import PlainLoop, loop_runner
 from lightning_memest.engine.simulate import simulate
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
 from lightning_memest.report import StepEstimate
@@ -33,6 +34,7 @@ def estimate_step(
     gpu: CudaDevice | None = None,
     calibrate: bool = False,
     next_batches: Sequence[Any] = (),
+    loop: PlainLoop = "train",
 ) -> StepEstimate:
     """Estimate the peak memory of training steps of ``model`` on ``batch``, without running them.
 
@@ -66,6 +68,11 @@ def estimate_step(
             models alone. For the device the step runs on; not for a what-if.
         next_batches: the batches of the steps after the first, when they differ from ``batch`` (a
             dataloader that pads each batch to its longest sequence); the last one repeats.
+        loop: ``"train"`` (the training step), or one batch outside training, in eval mode, as
+            Lightning's loops run it: ``"validate"`` (forward and ``loss_fn`` under ``torch.no_grad``)
+            or ``"predict"`` (the forward pass under ``torch.inference_mode``); one batch is
+            simulated (``steps`` is for training), no optimizer runs, and ``StepEstimate.loop`` says
+            which.
 
     Example:
         >>> import torch
@@ -88,6 +95,7 @@ def estimate_step(
         gpu=gpu,
         calibrate=calibrate,
         next_batches=next_batches,
+        loop=loop,
     )
 
 
@@ -101,6 +109,7 @@ def estimate(
     gpu: CudaDevice | None = None,
     calibrate: bool = False,
     next_batches: Sequence[Any] = (),
+    loop: PlainLoop = "train",
 ) -> StepEstimate:
     """:func:`estimate_step` for a step already described by a :class:`StepConfig` (what the CLI's cases
     and scripts hold): the simulation on fake tensors, then its accounting.
@@ -113,7 +122,14 @@ def estimate(
     """
     capture = capture_filter(flops=True, calibrate=calibrate)
     sim = simulate(
-        model, batch, config, device=device, steps=steps, capture=capture, next_batches=next_batches
+        model,
+        batch,
+        config,
+        runner=loop_runner(loop),
+        device=device,
+        steps=steps if loop == "train" else 1,
+        capture=capture,
+        next_batches=next_batches,
     )
     calibration = calibrate_kernels(sim) if calibrate and sim.what_if is None else None
-    return account(sim, gpu, calibration)
+    return account(sim, gpu, calibration, loop=loop)

@@ -196,7 +196,8 @@ def profile_graph(
     nodes, outside = figures.profiles(
         [(node.name, node.op, _target(node)) for node in graph_nodes], recorder.outputs
     )
-    return GraphProfile(nodes, outside, str(sim.device), config.precision, seconds, gm)
+    device, approximate = str(sim.device), sim.what_if is not None
+    return GraphProfile(nodes, outside, device, config.precision, seconds, gm, approximate=approximate)
 
 
 def annotate(gm: torch.fx.GraphModule, profile: GraphProfile) -> torch.fx.GraphModule:

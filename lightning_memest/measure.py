@@ -47,7 +47,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -57,7 +57,9 @@ from torch.profiler import record_function
 from lightning_memest.allocator_events import CpuMemoryProfile, quiet_gc, window_figures
 from lightning_memest.batches import iter_tensors
 from lightning_memest.engine.fake import local_tensor, resident_tensors
-from lightning_memest.engine.step import StepConfig, StepRunner
+from lightning_memest.engine.inference_step import PlainLoop, loop_runner
+from lightning_memest.engine.step import Runner, StepConfig, StepListener
+from lightning_memest.report import format_bytes
 
 __all__ = [
     "STEP_LABEL",
@@ -99,6 +101,11 @@ class Measurement:
     def steady_state(self) -> int:
         """The peak of the last step measured, which later steps repeat."""
         return self.peak_bytes[-1]
+
+    def __str__(self) -> str:
+        """``'measured on cpu: step 1 191.66 MiB, step 2 290.19 MiB; 0.123 s per step'``."""
+        peaks = ", ".join(f"step {i} {format_bytes(n)}" for i, n in enumerate(self.peak_bytes, 1))
+        return f"measured on {self.device}: {peaks}; {self.step_seconds:.3f} s per step"
 
 
 def module_tensors(model: nn.Module) -> Iterator[Tensor]:
@@ -188,7 +195,12 @@ def cpu_step_peaks(
 
 
 def measure_step(
-    model: nn.Module | Callable[[], nn.Module], batch: Any, config: StepConfig, *, steps: int = 2
+    model: nn.Module | Callable[[], nn.Module],
+    batch: Any,
+    config: StepConfig,
+    *,
+    steps: int = 2,
+    loop: PlainLoop = "train",
 ) -> Measurement:
     """Run ``steps`` real training steps of ``model`` on ``batch`` and measure each one's peak memory.
 
@@ -197,7 +209,9 @@ def measure_step(
     converted. With a ``config.strategy`` the model is wrapped in real DDP / FSDP over the default
     process group (``init_process_group`` first). ``model`` may be a factory (``lambda: Net()``): on
     CPU the model is then built inside the measurement, which FSDP needs -- it frees the full parameters
-    when it shards them, and the profiler only sees frees of what it saw allocated.
+    when it shards them, and the profiler only sees frees of what it saw allocated. ``loop`` as in
+    ``estimate_step``: a validation or predict batch (``steps`` of them; the model's training flags
+    restored after each).
 
     Example:
         >>> import torch
@@ -211,10 +225,14 @@ def measure_step(
         raise ValueError(f"steps must be at least 1; got {steps}")
     built = model if isinstance(model, nn.Module) else None
     device = _model_device(built) if built is not None else _batch_device(batch)
+    make = loop_runner(loop)
+
+    def runner(module: nn.Module) -> Runner:
+        # No listener: nothing here is fake, the allocator's events say what happened.
+        return make(module, config, cast(StepListener, None))
+
     if device.type == "cuda":
-        return _measure_cuda(
-            StepRunner(built if built is not None else model(), config), batch, steps, device
-        )
+        return _measure_cuda(runner(built if built is not None else model()), batch, steps, device)
     if device.type != "cpu":
         raise ValueError(f"measure_step measures CPU or CUDA models; this one is on {device}")
     baseline = resident_bytes([*(module_tensors(built) if built is not None else ()), *iter_tensors(batch)])
@@ -222,11 +240,11 @@ def measure_step(
     with quiet_gc(), CpuMemoryProfile() as prof:
         # Built in the profile: what the constructors keep (optimizer state some optimizers create
         # there, DDP's buckets, FSDP's shards) is in the running sum when the first step starts.
-        runner = StepRunner(built if built is not None else model(), config)
+        step = runner(built if built is not None else model())
         for i in range(steps):
             t0 = time.perf_counter()
             with record_function(f"{STEP_LABEL}{i}"):
-                loss = runner.run(batch)
+                loss = step.run(batch)
             seconds.append(time.perf_counter() - t0)
             # The loss is dropped between steps: its free falls in no step's window.
             del loss
@@ -242,7 +260,7 @@ def _batch_device(batch: Any) -> torch.device:
     return next((t.device for t in iter_tensors(batch)), torch.device("cpu"))
 
 
-def _measure_cuda(runner: StepRunner, batch: Any, steps: int, device: torch.device) -> Measurement:
+def _measure_cuda(runner: Runner, batch: Any, steps: int, device: torch.device) -> Measurement:
     peaks: list[int] = []
     reserved: list[int] = []
     seconds: list[float] = []
@@ -300,14 +318,20 @@ class StepProbe:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return
-        if self._profiler is None:
-            self._gc = quiet_gc()
-            self._gc.__enter__()
-            self._profiler = CpuMemoryProfile()
-            self._profiler.__enter__()
-        self._baselines.append(resident_bytes(resident))
-        self._window = record_function(f"{STEP_LABEL}{len(self._baselines) - 1}")
-        self._window.__enter__()  # type: ignore[no-untyped-call]
+        try:
+            if self._profiler is None:
+                self._gc = quiet_gc()
+                self._gc.__enter__()
+                profiler = CpuMemoryProfile()
+                profiler.__enter__()
+                self._profiler = profiler
+            self._baselines.append(resident_bytes(resident))
+            window = record_function(f"{STEP_LABEL}{len(self._baselines) - 1}")
+            window.__enter__()  # type: ignore[no-untyped-call]
+            self._window = window
+        except BaseException:
+            self.close()  # half started: nothing left open
+            raise
 
     def stop(self, unseen_bytes: int = 0) -> None:
         """End the step. ``unseen_bytes``: memory resident through the step that the profiler cannot
@@ -324,20 +348,31 @@ class StepProbe:
         self._baselines[-1] += unseen_bytes
 
     def close(self) -> None:
-        """Give the garbage collector back (``finish`` does; call it if the steps never end)."""
+        """End any open step window, stop the profiler and give the garbage collector back, measuring
+        nothing (``finish`` does this; call it when the steps never end -- an exception in fit): a
+        profiler or ``record_function`` left open until interpreter exit crashes it (SIGSEGV)."""
+        window, self._window = self._window, None
+        profiler, self._profiler = self._profiler, None
         quiet, self._gc = self._gc, None
-        if quiet is not None:
-            quiet.__exit__(None, None, None)
+        try:
+            if window is not None:
+                window.__exit__(None, None, None)
+        finally:
+            try:
+                if profiler is not None:
+                    profiler.__exit__(None, None, None)
+            finally:
+                if quiet is not None:
+                    quiet.__exit__(None, None, None)
 
     def finish(self) -> list[tuple[int, int | None]]:
         """Each measured step's peak bytes, and on CUDA its peak reserved bytes."""
         if self.device.type == "cuda":
             return list(self._cuda_peaks)
-        profiler, self._profiler = self._profiler, None
+        profiler = self._profiler
+        self.close()  # a step still open (fit ended inside it) is ended with the profile
         if profiler is None:
             return []
-        profiler.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-        self.close()
         steps = len(self._baselines)
         rises = cpu_step_peaks(profiler.allocator_events(), steps, baseline=0, carry=False)
         return [(base + rise, None) for base, rise in zip(self._baselines, rises, strict=True)]

@@ -108,6 +108,16 @@ def test_step_windows_carry_the_running_sum() -> None:
     assert cpu_step_peaks(reversed(events), 2, baseline=7) == (157, 107)
 
 
+def test_measuring_writes_nothing_to_the_console(capfd: pytest.CaptureFixture[str]) -> None:
+    # Kineto writes profiler_start/stop lines (and gpuGetDeviceCount without a GPU) straight to file
+    # descriptor 2 at every profile, and the CPU allocator a warning once: none of it gets out.
+    for _ in range(2):
+        m = measure_step(nn.Linear(8, 4), torch.randn(4, 8), StepConfig(optimizer=torch.optim.Adam))
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
+    assert str(m).startswith("measured on cpu: step 1 ") and str(m).endswith(" s per step")
+
+
 def test_rejects_zero_steps() -> None:
     with pytest.raises(ValueError, match="steps"):
         measure_step(nn.Linear(2, 2), torch.randn(1, 2), StepConfig(), steps=0)

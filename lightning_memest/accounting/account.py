@@ -165,13 +165,17 @@ def peak_profile(
 
 
 def account(
-    sim: Simulation, gpu: CudaDevice | None = None, calibration: Calibration | None = None
+    sim: Simulation,
+    gpu: CudaDevice | None = None,
+    calibration: Calibration | None = None,
+    loop: str = "train",
 ) -> StepEstimate:
     """The report of a simulation: peaks with their breakdowns, per-module figures, the timeline, FLOPs
     (of the ops the engine captured: simulate with ``capture_filter(flops=True)``), the tensor values
     read, and on CUDA the allocator's and the device's figures (``gpu`` as in ``estimate_step``).
     With a ``calibration`` of the simulation's device (``accounting.kernels.calibrate``), measured
-    kernel memory takes the place of the hand models wherever it has the signature."""
+    kernel memory takes the place of the hand models wherever it has the signature. ``loop`` names
+    what the simulated steps ran (``"train"``; a forward-only ``"validate"``, ``"test"``, ``"predict"``)."""
     roles = final_roles(sim.events)
     memory = _Memory.of(sim, gpu, calibration, roles)
     flops = FlopObserver()
@@ -211,6 +215,7 @@ def account(
         kernel_sources=memory.kernels.sources() if isinstance(memory.kernels, CalibratedKernels) else None,
         batch_shapes=sim.batch_shapes,
         reads_values=sim.value_reads > 0,
+        loop=loop,
     )
 
 

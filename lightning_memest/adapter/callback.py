@@ -8,28 +8,44 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.callbacks import ModelSummary
-from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_memest.adapter.ddp_buckets import UnseenBuckets
+from lightning_memest.adapter.eval_runner import Loop
 from lightning_memest.adapter.fit import fit_setup
-from lightning_memest.adapter.fit_batches import FitBatches
-from lightning_memest.adapter.loggers import log_figures
-from lightning_memest.adapter.summary import estimate_columns, footer_items, render_summary
+from lightning_memest.adapter.fit_batches import FitBatches, resident_at_start, resident_besides
+from lightning_memest.adapter.loggers import log_figures, log_hparams, log_scalars
+from lightning_memest.adapter.loggers.scalars import (
+    estimate_scalars,
+    in_loop,
+    lightning_logs_now,
+    logging_step,
+    measured_scalars,
+)
+from lightning_memest.adapter.loop_checks import LoopChecks
+from lightning_memest.adapter.ranks import first_failure, max_over_ranks
+from lightning_memest.adapter.step_peaks import StepPeaks
+from lightning_memest.adapter.summary import (
+    footer_items,
+    loop_footer_items,
+    render_summary,
+    restore_summaries,
+    silence_other_summaries,
+    total_flops,
+    with_estimate,
+)
 from lightning_memest.batches import batch_size_of, iter_tensors
-from lightning_memest.budget import PrecheckResult, device_budget, parse_size, precheck
-from lightning_memest.engine.fake import local_tensor
-from lightning_memest.engine.step import optimizer_state_tensors
+from lightning_memest.budget import PrecheckResult, budget_for, precheck
 from lightning_memest.errors import MemoryBudgetError
-from lightning_memest.measure import StepProbe, live_tensors, module_tensors
+from lightning_memest.measure import StepProbe
 from lightning_memest.report import StepEstimate, format_bytes
 
 __all__ = ["CHECKED_STEPS", "MeasuredStep", "MemEstimate"]
@@ -38,12 +54,20 @@ _T = TypeVar("_T")
 
 #: How many real training batches are measured: the first step and the steady state.
 CHECKED_STEPS = 2
-_PEAK_NAMES = ("first_step", "steady_state")
+
+#: What runs in each loop besides training, as the pre-check names it.
+_LOOP_WHAT = {
+    "sanity_check": "a validation batch of the sanity check",
+    "validate": "a validation batch",
+    "test": "a test batch",
+    "predict": "a predict batch",
+}
 
 
 @dataclass(frozen=True)
 class MeasuredStep:
-    """The real peak of one training batch, as measured by the callback."""
+    """The real peak of one batch, as measured by the callback (``step``: the training step, 1 or 2;
+    1 for a loop's first batch)."""
 
     step: int
     peak_bytes: int
@@ -59,16 +83,29 @@ class MeasuredStep:
 class MemEstimate(ModelSummary):
     """Estimates the memory of your ``training_step`` before it runs, then checks it against the device.
 
-    On fit start the module's real ``training_step`` (with its ``configure_optimizers``, the
-    trainer's precision, gradient accumulation and clipping) runs on fake tensors for two batches --
-    no real compute, no real memory -- and the model summary shows the estimate. The first two real
+    At the first training batch, before it runs, the module's real ``training_step`` (with its
+    ``configure_optimizers``, the trainer's precision, gradient accumulation and clipping) runs on
+    that batch on fake tensors for two steps -- no real compute, no real memory, nothing drawn from
+    the loader -- and the model summary shows the estimate (``example_batch=`` makes it at fit start,
+    for a batch you give: your worst case). A later batch larger than any estimated so far is
+    estimated, and checked, before its step runs. The first two real
     batches are then measured (CUDA: ``max_memory_allocated``/``max_memory_reserved``; CPU: the
-    allocator's events in ``torch.profiler``), and estimated, measured and the error are logged:
-    ``memest/first_step/{estimated_bytes,measured_bytes,error_pct}`` and the same under
-    ``memest/steady_state/`` (plus ``estimated_reserved_bytes``/``measured_reserved_bytes`` on CUDA),
-    and ``memest/flops/forward``,
-    ``memest/flops/backward``. It sets ``pl_module.flops_per_batch`` (forward + backward FLOPs of one
-    batch) unless you did, so ``ThroughputMonitor`` reports MFU. After the check it costs nothing.
+    allocator's events in ``torch.profiler``), on CUDA every later batch too (the allocator's peak
+    statistics, reset at each batch's start: host-side, no synchronisation), and each batch's
+    estimate, measurement and error are logged at the step Lightning logs that batch at:
+    ``memest/peak_MiB/{estimate,measured}``,
+    ``memest/error_pct``, ``memest/GFLOP_per_batch/{forward,backward}`` (and
+    ``memest/reserved_MiB/{estimate,measured}`` on CUDA; TensorBoard draws each series as a run of its
+    own, see ``adapter/loggers``). It sets ``pl_module.flops_per_batch`` (forward + backward FLOPs of
+    one batch) unless you did, so ``ThroughputMonitor`` reports MFU. After the check it costs nothing
+    but those two calls a batch on CUDA.
+
+    The other loops are followed the same way: the first batch of the sanity check, of validation, of
+    ``trainer.test`` and of ``trainer.predict`` is estimated before it runs (the step in eval mode,
+    under ``inference_mode``, with the gradients and optimizer state that stay alive through it),
+    checked against the budget -- a validation batch four times the training batch is often the one
+    that runs out of memory -- and measured (:attr:`loop_estimates`, :attr:`loop_measured`; logged as
+    ``memest/<loop>/peak_MiB/{estimate,measured}`` and ``memest/<loop>/error_pct``).
 
     What real kernels allocate beyond their outputs (workspaces, reorders) is measured on the device
     the trainer trains on (``calibrate=True``, the default): each distinct op signature of the step
@@ -76,7 +113,10 @@ class MemEstimate(ModelSummary):
     (cached on disk; ``MEMEST_CACHE_DIR``). ``calibrate=False`` keeps to the hand-fitted kernel models.
 
     It takes the place of Lightning's ``ModelSummary`` (``max_depth`` and the other arguments mean
-    the same). A failure while estimating or measuring is one warning, never an error.
+    the same). A failure while estimating or measuring is one warning, never an error; under DDP the
+    ranks agree first, so a failure on one rank is the same warning on every rank and none acts alone.
+    An exception of your own (or Ctrl+C) in the meantime reaches you unchanged, the profiler stopped
+    and the garbage collector on.
 
     Before the first step it also compares the estimated peak with the memory the device has
     (``memory_check``: ``"warn"`` (default), ``"raise"`` -- a ``MemoryBudgetError`` that stops fit
@@ -130,12 +170,31 @@ class MemEstimate(ModelSummary):
         self.setup_seconds: float | None = None
         """Wall seconds the estimate added to fit start (the batch, the simulation, the accounting)."""
         self._probe: StepProbe | None = None
-        self._unseen: _UnseenBuckets | None = None
+        self._unseen: UnseenBuckets | None = None
+        self._measure_failure: str | None = None  # why this rank's measurement stopped, if it did
         self._steps_started = 0
         self._warned = False
         self._batches = FitBatches(calibrate)
         self._summarized = False
         self._trying = True  # estimating has not failed
+        self._silenced: list[tuple[ModelSummary, int]] = []  # other summaries, off for this fit
+        self._rich: bool | None = None  # the summary's style: Rich, plain, or as Lightning picks
+        self._measured_at: list[int] = []  # Lightning's logging step of each measured batch
+        self._step_peaks = StepPeaks()
+        self._loops = LoopChecks(calibrate)
+        self.loop_measured: dict[str, MeasuredStep] = {}
+        """The measured first batch of each loop besides training, by loop name (as
+        :attr:`loop_estimates`)."""
+        self._loop_measuring: str | None = None  # the loop whose batch is being measured
+        self._loop_failure: str | None = None  # why this rank's measurement of it stopped, if it did
+
+    @property
+    def loop_estimates(self) -> dict[str, StepEstimate]:
+        """The estimate of the first batch of each loop besides training, by loop name:
+        ``sanity_check``, ``validate`` (a fit's validation or ``trainer.validate``), ``test``,
+        ``predict``; each ``StepEstimate.loop`` says which step it ran (``validate``/``test``/
+        ``predict``). A new call of a loop replaces its estimate."""
+        return self._loops.estimates
 
     def describe(self) -> str:
         """What the callback found, in a few lines: the estimate, its cost, and the check.
@@ -146,6 +205,9 @@ class MemEstimate(ModelSummary):
         """
         estimate = self.estimate
         if estimate is None:
+            loops = self._describe_loops()
+            if loops:
+                return "\n".join(["MemEstimate: no training estimate", *loops])
             return "MemEstimate: no estimate (fit has not started, or estimating failed)"
         lines = [
             f"MemEstimate ({estimate.device}, {estimate.precision}): the estimate added "
@@ -161,7 +223,17 @@ class MemEstimate(ModelSummary):
             lines += [
                 f"  step {p.step}: estimated {format_bytes(p.bytes)} (not measured)" for p in estimate.peaks
             ]
-        return "\n".join(lines)
+        return "\n".join(lines + self._describe_loops())
+
+    def _describe_loops(self) -> list[str]:
+        lines = []
+        for name, loop_estimate in self.loop_estimates.items():
+            line = f"  {name}: estimated {format_bytes(loop_estimate.peak_bytes)}"
+            m = self.loop_measured.get(name)
+            if m is not None:
+                line += f", measured {format_bytes(m.peak_bytes)} ({m.error_pct:+.2f} %)"
+            lines.append(line + ("" if m is not None else " (not measured)"))
+        return lines
 
     # --- estimates: from the batches training gets; then the summary --------------------------------------
     @override
@@ -170,7 +242,12 @@ class MemEstimate(ModelSummary):
         self.estimate, self.estimates, self.measured, self.setup_seconds = None, {}, [], None
         self._batches = FitBatches(self.calibrate)
         self._summarized, self._trying, self._warned = False, True, False
-        self._probe, self._steps_started = None, 0
+        self._close_probe()  # an earlier fit that ended inside its measured steps
+        self._steps_started, self._measure_failure = 0, None
+        self._measured_at, self._step_peaks = [], StepPeaks()
+        self._loops.reset()
+        self.loop_measured, self._loop_measuring, self._loop_failure = {}, None, None
+        self._safely("logging to TensorBoard", lambda: self._log_hparams(trainer))  # before Lightning's
         if self.example_batch is None:
             return  # estimated at the first training batch, with the batch in hand
         example = pl_module.on_before_batch_transfer(self.example_batch, 0)
@@ -180,8 +257,10 @@ class MemEstimate(ModelSummary):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *, given: bool
     ) -> None:
         start = time.perf_counter()
-        self.estimate = self._safely(
-            "estimating", lambda: self._batches.estimate_first(trainer, pl_module, batch, given=given)
+        self.estimate = self._together(
+            trainer,
+            "estimating",
+            lambda: self._batches.estimate_first(trainer, pl_module, batch, given=given),
         )
         self.setup_seconds = time.perf_counter() - start
         self._trying = self.estimate is not None
@@ -192,7 +271,10 @@ class MemEstimate(ModelSummary):
         self._summarize(trainer, pl_module)
         if self.estimate is not None:
             # Not through _safely: with memory_check="raise" the error must stop fit before any step.
-            self._precheck(trainer, pl_module, batch, self.estimate, transferred=not given)
+            estimate = self.estimate
+            self._precheck(
+                trainer, estimate, lambda: self._training_fits(trainer, pl_module, batch, estimate, not given)
+            )
 
     def _note(self, estimate: StepEstimate) -> None:
         for shapes in estimate.batch_shapes or ():
@@ -206,22 +288,30 @@ class MemEstimate(ModelSummary):
     def _precheck(
         self,
         trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        batch: Any,
         estimate: StepEstimate,
+        fits: Callable[[], PrecheckResult],
         *,
-        transferred: bool,
+        everywhere: bool = True,
     ) -> None:
+        """Compare ``estimate`` with the memory budget (``fits()``); act as ``memory_check`` says.
+        ``everywhere``: every rank checks its batch at this point (a loop's first batch), and all act
+        alike on what they found; a later batch (``everywhere=False``) is checked on the rank that has
+        it, and under DDP only warned about -- one rank stopping alone would leave the others waiting in
+        the next collective."""
         if self.memory_check == "off":
             return
-        result = self._safely(
-            "checking the memory budget", lambda: self._fits(trainer, pl_module, batch, estimate, transferred)
-        )
-        fits = True if result is None else result.fits
-        # Under DDP every rank must decide alike, or the ranks that go on would wait for the others.
-        if trainer.strategy.reduce_boolean_decision(fits, all=True):
+        if not everywhere and trainer.world_size > 1:
+            found = self._safely("checking the memory budget", fits)
+            if found is not None and not found.fits:
+                warnings.warn(f"MemEstimate (rank {trainer.global_rank}): {found.error()}", stacklevel=2)
             return
-        if result is None:  # fits here, not on another rank
+        result = self._together(trainer, "checking the memory budget", fits)
+        if result is None:  # the check failed on some rank: every rank warned, none acts
+            return
+        # Under DDP every rank must decide alike, or the ranks that go on would wait for the others.
+        if trainer.strategy.reduce_boolean_decision(result.fits, all=True):
+            return
+        if result.fits:  # fits here, not on another rank
             error = MemoryBudgetError(
                 "the estimate is over the memory budget on another rank",
                 peak_bytes=estimate.peak_bytes,
@@ -233,7 +323,7 @@ class MemEstimate(ModelSummary):
             raise error
         rank_zero_warn(f"MemEstimate: {error}")
 
-    def _fits(
+    def _training_fits(
         self,
         trainer: pl.Trainer,
         pl_module: pl.LightningModule,
@@ -242,47 +332,64 @@ class MemEstimate(ModelSummary):
         transferred: bool,
     ) -> PrecheckResult:
         fit = fit_setup(trainer, pl_module, batch, transferred=transferred)
-        if self.memory_budget is not None:
-            budget = (
-                parse_size(self.memory_budget) if isinstance(self.memory_budget, str) else self.memory_budget
-            )
-        else:
-            # What the estimate counts that already takes memory is given back (the CPU's available
-            # memory no longer shows it; CUDA's reserved bytes do).
-            resident = estimate.first_step.breakdown.parameters + estimate.first_step.breakdown.buffers
-            resident += estimate.first_step.breakdown.other_tensors
-            budget = device_budget(
-                fit.device,
-                margin_bytes=self.memory_margin_bytes,
-                resident_bytes=resident if fit.device.type == "cpu" else 0,
-            )
         size = batch_size_of(fit.batch)
+        return self._fits(
+            estimate,
+            fit.device,
+            size,
+            lambda budget: fit.max_batch_size(budget, batch_size=size).max_batch_size,
+        )
+
+    def _fits(
+        self,
+        estimate: StepEstimate,
+        device: Any,
+        size: int | None,
+        search: Callable[[int], int],
+        what: str | None = None,
+    ) -> PrecheckResult:
+        """``estimate`` against the budget; ``search(budget)`` the largest batch size that fits."""
+        budget = budget_for(
+            estimate, device, memory_budget=self.memory_budget, margin_bytes=self.memory_margin_bytes
+        )
 
         def max_fit() -> int | None:
             # The largest batch size that fits: a search, worth trying, not worth failing the check for.
             try:
-                return fit.max_batch_size(budget, batch_size=size).max_batch_size
+                return search(budget)
             except Exception:
                 return None
 
-        return precheck(estimate, budget, batch_size=size, max_fit=max_fit)
+        return precheck(estimate, budget, batch_size=size, max_fit=max_fit, what=what)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # One summary table, this one: a ModelSummary or RichModelSummary passed beside it would print
+        # a second (without the estimate); it is silenced for the fit, and its style is kept.
+        if stage == "fit":
+            restore_summaries(self._silenced)
+            callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning's connector
+            self._silenced, self._rich = silence_other_summaries(callbacks, self)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        restore_summaries(self._silenced)
+        self._silenced = []
 
     def _print_summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         summary = self._summary(trainer, pl_module)
-        data = summary._get_summary_data()
-        footer: list[tuple[str, str]] = []
-        if self.estimate is not None:
-            data += estimate_columns(data[1][1], self.estimate)
-            footer = footer_items(self.estimate)
+        footer = footer_items(self.estimate) if self.estimate is not None else []
+        footer += loop_footer_items(self.loop_estimates)
         if trainer.is_global_zero:
             render_summary(
-                data,
+                with_estimate(summary._get_summary_data(), self.estimate),
                 summary.total_parameters,
                 summary.trainable_parameters,
                 summary.model_size,
                 summary.total_training_modes,
-                getattr(summary, "total_flops", 0),
+                total_flops(self.estimate, getattr(summary, "total_flops", 0)),
                 footer,
+                rich=self._rich,
             )
 
     # --- each training batch: estimate what is new, measure the first ones -----------------------------
@@ -298,16 +405,20 @@ class MemEstimate(ModelSummary):
         elif self._trying and self._steps_started > 1:
             self._later_estimate(trainer, pl_module, batch)
         if self.check and self.estimate is not None and self._steps_started < CHECKED_STEPS:
+            self._measured_at.append(logging_step(trainer))
             self._start_measuring(trainer, pl_module, batch)
         else:
             self._steps_started += 1
+            if self._every_step(trainer):
+                self._safely("measuring", lambda: self._step_peaks.start(trainer.strategy.root_device))
 
     def _second_estimate(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, measuring: bool
     ) -> None:
         """Step 2 runs on this batch: where it needs other memory than the first, estimate the two steps
         as they come (what the check of step 2 compares with)."""
-        both = self._safely(
+        both = self._together(
+            trainer,
             "estimating the second batch",
             lambda: self._batches.estimate_second(trainer, pl_module, batch, measuring=measuring),
         )
@@ -324,12 +435,14 @@ class MemEstimate(ModelSummary):
         if larger is None:
             return
         self._note(larger)
-        self._log(
+        scalars = estimate_scalars(larger.peak_bytes, flops=larger.flops)
+        self._log(trainer, scalars, step=logging_step(trainer))
+        self._precheck(
             trainer,
-            {"memest/larger_batch/estimated_bytes": float(larger.peak_bytes)},
-            step=trainer.global_step,
+            larger,
+            lambda: self._training_fits(trainer, pl_module, batch, larger, True),
+            everywhere=False,
         )
-        self._precheck(trainer, pl_module, batch, larger, transferred=True)
 
     def _start_measuring(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
         device = trainer.strategy.root_device
@@ -338,34 +451,33 @@ class MemEstimate(ModelSummary):
                 os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop chatter
             self._probe = StepProbe(device)
         probe = self._probe
+        self._steps_started += 1
+        if self._measure_failure is not None:
+            return  # failed before: nothing measured, and _finish still agrees with the other ranks
 
-        def start() -> bool:
-            self._unseen = _UnseenBuckets.at_step_start(trainer)
-            probe.start(_resident_tensors(trainer, pl_module, batch, own=self._batches.first))
-            return True
+        def start() -> None:
+            self._unseen = UnseenBuckets.at_step_start(trainer)
+            probe.start(resident_at_start(trainer, pl_module, batch, own=self._batches.first))
 
-        if self._safely("measuring", start):
-            self._steps_started += 1
-        else:
-            self.check = False
-            self._steps_started += 1
+        self._measure_failure = _attempt("measuring", start)[1]
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._every_step(trainer):
+            self._safely("measuring", lambda: self._log_step_peak(trainer, batch))
         probe = self._probe
-        if probe is None or not self.check or self._steps_started > CHECKED_STEPS:
+        if probe is None or self._steps_started > CHECKED_STEPS:
             return
 
-        def stop() -> bool:
+        def stop() -> None:
             unseen = self._unseen
             probe.stop(unseen.bytes_at_step_end() if unseen is not None else 0)
-            return True
 
-        if self._safely("measuring", stop) is None:
-            self.check = False
-        elif self._steps_started == CHECKED_STEPS:
+        if self._measure_failure is None:
+            self._measure_failure = _attempt("measuring", stop)[1]
+        if self._steps_started == CHECKED_STEPS:
             self._finish(trainer)
 
     @override
@@ -378,35 +490,207 @@ class MemEstimate(ModelSummary):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
-        # fit is failing (not because of us): give the garbage collector back, measure nothing more.
+        # fit is failing (the user's exception, or an interrupt): measure nothing more, and leave the
+        # profiler stopped and the garbage collector on -- a profiler open at exit crashes the process.
+        self._close_probe()
+        self._loop_measuring = None
+        _attempt("measuring", self._loops.close)
+        restore_summaries(self._silenced)
+        self._silenced = []
+
+    def _close_probe(self) -> None:
         probe, self._probe = self._probe, None
         if probe is not None:
-            probe.close()
+            _attempt("measuring", probe.close)  # never in the way of the exception fit is raising
 
     def _finish(self, trainer: pl.Trainer) -> None:
-        """Read the measured steps (the CPU profiler runs across them), compare, log."""
+        """Read the measured steps (the CPU profiler runs across them), compare, log. Every rank comes
+        here at the same batch; a failure on any rank is one warning on all of them."""
         probe, self._probe = self._probe, None
         self._steps_started = CHECKED_STEPS + 1  # nothing more to measure
-        results = self._safely("measuring", probe.finish) if probe is not None else None
+        if probe is None:
+            return
+        failure = self._measure_failure
+        if failure is None:
+            results, failure = _attempt("measuring", probe.finish)
+        else:
+            results = None
+            _attempt("measuring", probe.close)
+        results = self._agreed(trainer, results, failure)
         if results is None or self.estimate is None:
             return
         for step, result in enumerate(results):
-            peak, reserved = _max_over_ranks(trainer, result)
+            peak, reserved = max_over_ranks(trainer, result)
             measured = MeasuredStep(step + 1, peak, reserved, self.estimate.peaks[step].bytes)
             self.measured.append(measured)
             self._safely("logging", lambda m=measured: self._log_measured(trainer, m))  # type: ignore[misc]
         self._safely("logging to TensorBoard", lambda: self._log_tensorboard(trainer, final=True))
 
+    # --- the other loops: each one's first batch estimated, checked, measured ------------------------------
+    @override
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn != "fit":  # trainer.validate: a new call (a fit's validations are one loop)
+            self._forget("validate")
+
+    @override
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._forget("test")
+
+    @override
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._forget("predict")
+
+    def _forget(self, name: str) -> None:
+        self._loops.forget(name)
+        self.loop_measured.pop(name, None)
+        self._warned = False  # a new call: its failure is worth a warning of its own
+
+    @override
+    def on_validation_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._loop_start(trainer, pl_module, batch, dataloader_idx, "validate")
+
+    @override
+    def on_test_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._loop_start(trainer, pl_module, batch, dataloader_idx, "test")
+
+    @override
+    def on_predict_batch_start(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._loop_start(trainer, pl_module, batch, dataloader_idx, "predict")
+
+    @override
+    def on_validation_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._loop_end(trainer)
+
+    @override
+    def on_test_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._loop_end(trainer)
+
+    @override
+    def on_predict_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._loop_end(trainer)
+
+    def _loop_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, dataloader_idx: int, loop: Loop
+    ) -> None:
+        """A loop's first batch, before it runs: estimated with the batch in hand (every rank alike),
+        logged, checked against the budget, then measured."""
+        if not self._loops.untried(trainer):
+            return
+        # A training step measured on the CPU keeps its profiler open across the measured batches.
+        profiling = self._probe is not None and trainer.strategy.root_device.type == "cpu"
+        started = self._together(
+            trainer,
+            "estimating the first batch of a loop",
+            lambda: self._loops.start(trainer, pl_module, batch, dataloader_idx, loop, profiling=profiling),
+        )
+        if started is None:
+            return
+        estimate, name = started.estimate, started.name
+        reserved = None if estimate.reserved_bytes is None else estimate.reserved_bytes[-1]
+        step = logging_step(trainer)
+        self._safely(
+            "logging",
+            lambda: self._log(trainer, in_loop(name, estimate_scalars(estimate.peak_bytes, reserved)), step),
+        )
+        if self._summarized and trainer.is_global_zero:
+            rank_zero_info(
+                f"MemEstimate: {_LOOP_WHAT[name]} ({estimate.device}, {estimate.precision}): "
+                f"estimated peak {format_bytes(estimate.peak_bytes)} at batch size {batch_size_of(batch)}"
+            )
+        size = batch_size_of(batch)
+        residents = resident_besides(trainer, pl_module, batch)
+        self._precheck(
+            trainer,
+            estimate,
+            lambda: self._fits(
+                estimate,
+                started.setup.device,
+                size,
+                lambda budget: started.setup.max_batch_size(budget, residents=residents).max_batch_size,
+                what=_LOOP_WHAT[name],
+            ),
+        )
+        if self.check and not profiling:
+            self._loop_measuring = name
+            self._loop_failure = _attempt(
+                "measuring", lambda: self._loops.measure(trainer, pl_module, batch)
+            )[1]
+
+    def _loop_end(self, trainer: pl.Trainer) -> None:
+        """The measured loop batch, compared and logged (every rank at the same batch)."""
+        name, self._loop_measuring = self._loop_measuring, None
+        if name is None:
+            return
+        failure = self._loop_failure
+        if failure is None:
+            result, failure = _attempt("measuring", self._loops.stop)
+        else:
+            result = None
+            _attempt("measuring", self._loops.close)
+        result = self._agreed(trainer, result, failure)
+        estimate = self.loop_estimates.get(name)
+        if result is None or estimate is None:
+            return
+        peak, reserved = max_over_ranks(trainer, (result[1], result[2]))
+        measured = MeasuredStep(1, peak, reserved, estimate.peak_bytes)
+        self.loop_measured[name] = measured
+        estimated_reserved = None if estimate.reserved_bytes is None else estimate.reserved_bytes[-1]
+        scalars = in_loop(name, measured_scalars(peak, reserved, estimate.peak_bytes, estimated_reserved))
+        step = logging_step(trainer)
+        self._safely("logging", lambda: self._log(trainer, scalars, step))
+
     # --- logging -------------------------------------------------------------------------------------------
     def _log_estimate(self, trainer: pl.Trainer, estimate: StepEstimate) -> None:
-        metrics = {
-            f"memest/{name}/estimated_bytes": float(p.bytes)
-            for name, p in zip(_PEAK_NAMES, estimate.peaks, strict=False)
-        }
-        if estimate.flops is not None:
-            metrics["memest/flops/forward"] = float(estimate.flops.forward)
-            metrics["memest/flops/backward"] = float(estimate.flops.backward or 0)
-        self._log(trainer, metrics, step=0)
+        # The estimate of the batch about to run (the first step's, else the steady state's), at its step.
+        index = min(self._steps_started, len(estimate.peaks) - 1)
+        reserved = None if estimate.reserved_bytes is None else estimate.reserved_bytes[index]
+        scalars = estimate_scalars(estimate.peaks[index].bytes, reserved, estimate.flops)
+        self._log(trainer, scalars, step=logging_step(trainer))
         self._safely("logging to TensorBoard", lambda: self._log_tensorboard(trainer, final=False))
 
     def _log_tensorboard(self, trainer: pl.Trainer, final: bool) -> None:
@@ -414,93 +698,81 @@ class MemEstimate(ModelSummary):
         if estimate is None or not trainer.is_global_zero:
             return
         measured = [m.peak_bytes for m in self.measured] if final else None
-        log_figures(trainer.loggers, estimate, measured, final=final)
+        step = self._measured_at[len(measured) - 1] if measured else logging_step(trainer)
+        log_figures(trainer.loggers, estimate, measured, step=step)
+
+    def _log_hparams(self, trainer: pl.Trainer) -> None:
+        if trainer.is_global_zero:
+            log_hparams(trainer)
 
     def _log_measured(self, trainer: pl.Trainer, measured: MeasuredStep) -> None:
-        name = _PEAK_NAMES[measured.step - 1]
-        metrics = {
-            f"memest/{name}/estimated_bytes": float(measured.estimated_bytes),
-            f"memest/{name}/measured_bytes": float(measured.peak_bytes),
-            f"memest/{name}/error_pct": measured.error_pct,
-        }
-        if measured.reserved_bytes is not None:
-            metrics[f"memest/{name}/measured_reserved_bytes"] = float(measured.reserved_bytes)
+        reserved = None
         if self.estimate is not None and self.estimate.reserved_bytes is not None:
-            estimated = self.estimate.reserved_bytes[measured.step - 1]
-            metrics[f"memest/{name}/estimated_reserved_bytes"] = float(estimated)
-        self._log(trainer, metrics, step=measured.step)
+            reserved = self.estimate.reserved_bytes[measured.step - 1]
+        flops = None if self.estimate is None else self.estimate.flops
+        scalars = measured_scalars(
+            measured.peak_bytes, measured.reserved_bytes, measured.estimated_bytes, reserved, flops
+        )
+        self._log(trainer, scalars, step=self._measured_at[measured.step - 1])
+
+    def _every_step(self, trainer: pl.Trainer) -> bool:
+        """On CUDA, once the first steps are measured, each batch's peak is too (``StepPeaks``)."""
+        cuda = trainer.strategy.root_device.type == "cuda"
+        return cuda and self.check and bool(self.measured) and self._steps_started > CHECKED_STEPS
+
+    def _log_step_peak(self, trainer: pl.Trainer, batch: Any) -> None:
+        """This batch's peak into the peaks since the last logged point; logged where Lightning logs,
+        beside the estimate for this batch's shapes."""
+        self._step_peaks.stop(trainer.strategy.root_device)
+        peak = self._step_peaks.take() if lightning_logs_now(trainer) else None
+        estimate = self.estimates.get(tuple(tuple(t.shape) for t in iter_tensors(batch)), self.estimate)
+        if peak is None or estimate is None:
+            return
+        reserved = None if estimate.reserved_bytes is None else estimate.reserved_bytes[-1]
+        scalars = measured_scalars(peak[0], peak[1], estimate.peaks[-1].bytes, reserved, estimate.flops)
+        self._log(trainer, scalars, step=logging_step(trainer))
 
     @staticmethod
     def _log(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+        log_scalars(trainer.loggers, metrics, step)
 
     # --- never in the way ----------------------------------------------------------------------------------
     def _safely(self, what: str, fn: Callable[[], _T]) -> _T | None:
-        try:
-            return fn()
-        except Exception as exc:  # any failure must leave training alone
-            if not self._warned:
-                self._warned = True
-                rank_zero_warn(
-                    f"MemEstimate: {what} failed, training goes on without it: {type(exc).__name__}: {exc}"
-                )
+        """``fn``'s result, or ``None`` and one warning where it failed: for work of this rank alone
+        (printing, logging, a later batch's estimate), which no other rank waits on."""
+        result, failure = _attempt(what, fn)
+        if failure is not None:
+            self._warn(failure)
+        return result
+
+    def _together(self, trainer: pl.Trainer, what: str, fn: Callable[[], _T]) -> _T | None:
+        """``fn``'s result where it succeeded on every rank, else ``None`` on every rank and one warning
+        on each, alike: for what the ranks then act on together. A collective under DDP."""
+        return self._agreed(trainer, *_attempt(what, fn))
+
+    def _agreed(self, trainer: pl.Trainer, result: _T | None, failure: str | None) -> _T | None:
+        failure = first_failure(trainer, failure)
+        if failure is not None:
+            self._warn(failure)
             return None
+        return result
+
+    def _warn(self, failure: str) -> None:
+        # One warning per fit; on every rank (rank_zero_warn would hide rank 1's failure).
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"MemEstimate: {failure}", UserWarning, stacklevel=3)
+
+
+def _attempt(what: str, fn: Callable[[], _T]) -> tuple[_T | None, str | None]:
+    """``(fn(), None)``, or ``(None, what failed and why)``: any failure must leave training alone."""
+    try:
+        return fn(), None
+    except Exception as exc:
+        return None, f"{what} failed, training goes on without it: {type(exc).__name__}: {exc}"
 
 
 def _set_flops_per_batch(pl_module: pl.LightningModule, estimate: StepEstimate) -> None:
     """Lightning's ThroughputMonitor reads ``flops_per_batch`` to report MFU; a user's value wins."""
     if estimate.flops is not None and getattr(pl_module, "flops_per_batch", None) is None:
         setattr(pl_module, "flops_per_batch", estimate.flops.forward + (estimate.flops.backward or 0))  # noqa: B010
-
-
-@dataclass(frozen=True)
-class _UnseenBuckets:
-    """DDP's gradient buckets, for the CPU ground truth: allocated when DDP wrapped the model (before the
-    profiler started, so it never sees them) and named by no tensor the callback can reach -- but DDP
-    reports their sizes. DDP re-buckets once, early in the second step; the profiler sees the new
-    buckets allocated then (and not the old ones freed), so a step in which that happened needs
-    nothing added."""
-
-    ddp: DistributedDataParallel
-    rebuilt_at_start: bool
-    grads_are_buckets: bool
-
-    @staticmethod
-    def at_step_start(trainer: pl.Trainer) -> _UnseenBuckets | None:
-        ddp = getattr(trainer.strategy, "model", None)
-        if not isinstance(ddp, DistributedDataParallel) or trainer.strategy.root_device.type != "cpu":
-            return None
-        # With gradient_as_bucket_view, existing gradients are views of the buckets: already counted.
-        views = ddp.gradient_as_bucket_view and any(p.grad is not None for p in ddp.parameters())
-        return _UnseenBuckets(ddp, bool(ddp._has_rebuilt_buckets), views)
-
-    def bytes_at_step_end(self) -> int:
-        if self.grads_are_buckets or bool(self.ddp._has_rebuilt_buckets) != self.rebuilt_at_start:
-            return 0
-        sizes = str(self.ddp._get_ddp_logging_data().get("bucket_sizes", ""))  # type: ignore[no-untyped-call]
-        return sum(int(n) for n in sizes.replace(",", " ").split())
-
-
-def _resident_tensors(
-    trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, own: Any
-) -> list[Tensor]:
-    """What is resident at a step's start, for the CPU ground truth: the module's tensors (plain tensor
-    attributes too: a cache a module made in the first step is resident in the second), the optimizers'
-    state, the batch, and every other live tensor on the device (``own``, the callback's light copy of a
-    batch, aside)."""
-    state = [local_tensor(t) for optimizer in trainer.optimizers for t in optimizer_state_tensors(optimizer)]
-    mine = [*module_tensors(pl_module), *state, *iter_tensors(batch)]
-    if trainer.strategy.root_device.type != "cpu":
-        return mine
-    return [*mine, *live_tensors(trainer.strategy.root_device, besides=[*mine, *iter_tensors(own)])]
-
-
-def _max_over_ranks(trainer: pl.Trainer, result: tuple[int, int | None]) -> tuple[int, int | None]:
-    """Under DDP every rank measures its own step; the peak that matters is the largest."""
-    if trainer.world_size == 1:
-        return result
-    peak, reserved = result
-    values = torch.tensor([peak, reserved or 0], dtype=torch.float64, device=trainer.strategy.root_device)
-    reduced = trainer.strategy.reduce(values, reduce_op="max")
-    return int(reduced[0].item()), None if reserved is None else int(reduced[1].item())

@@ -37,7 +37,7 @@ from lightning_memest.engine.step import optimizer_state_tensors
 from lightning_memest.measure import live_tensors, module_tensors, resident_bytes
 from lightning_memest.report import StepEstimate
 
-__all__ = ["FitBatches", "batch_signature", "light_copy", "resident_besides"]
+__all__ = ["FitBatches", "batch_signature", "light_copy", "resident_at_start", "resident_besides"]
 
 #: A batch's tensors' shapes and dtypes, in order: what decides its memory (with its values, where read).
 Signature = tuple[tuple[tuple[int, ...], torch.dtype], ...]
@@ -100,6 +100,21 @@ def resident_besides(
         other = torch.cuda.memory_allocated(device) - mine
         return [torch.empty(other, dtype=torch.uint8, device="meta")] if other > 0 else []
     return live_tensors(device, besides=known)
+
+
+def resident_at_start(
+    trainer: pl.Trainer, module: pl.LightningModule, batch: Any, own: Any = ()
+) -> list[Tensor]:
+    """What is resident at a batch's start, for the measured peak to start from: the module's tensors
+    (plain tensor attributes too: a cache a module made in the first step is resident in the second),
+    the optimizers' state, the batch, and on the CPU every other live tensor (``own``, a caller's light
+    copy of a batch, aside)."""
+    state = [local_tensor(t) for optimizer in trainer.optimizers for t in optimizer_state_tensors(optimizer)]
+    mine = [*module_tensors(module), *state, *iter_tensors(batch)]
+    device = trainer.strategy.root_device
+    if device.type != "cpu":
+        return mine
+    return [*mine, *live_tensors(device, besides=[*mine, *iter_tensors(own)])]
 
 
 class FitBatches:

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_memest.batches import iter_tensors
+from lightning_memest.engine.autograd_threads import settle_device_threads
 from lightning_memest.engine.cuda_autocast import cuda_autocast_lists
 from lightning_memest.engine.distributed import (
     FSDP,
@@ -105,6 +106,7 @@ def simulate(
     capture: CaptureFilter | None = None,
     next_batches: Sequence[Any] = (),
     residents: Sequence[Tensor] = (),
+    kept: Sequence[tuple[Tensor, Role]] = (),
 ) -> Simulation:
     """Run ``steps`` training steps of ``model`` on fake tensors of ``device``; record every event.
 
@@ -122,7 +124,9 @@ def simulate(
     dataloader whose batches change shape: dynamic padding). ``residents`` are tensors alive on the
     device that are not the step's own -- other callbacks' state (an EMA copy of the weights), metric
     states, a dataset held in memory; real, fake or meta (of the right size): they count as
-    ``Role.OTHER``.
+    ``Role.OTHER``. ``kept`` are tensors of the training state that stay alive through a step that
+    does not make them, each with its role: the gradients and the optimizer's state through a
+    validation batch inside ``fit``.
 
     Example:
         >>> import torch
@@ -138,6 +142,7 @@ def simulate(
     modules = ModuleNode.of(model)
     tracker = Tracker(capture=capture)
     mode = TrackingFakeTensorMode(tracker)
+    settle_device_threads(mode)  # before the mode is first entered: no idle autograd threads
     precision, strategy = config.precision, config.strategy
     converter = FakeConverter(mode, target, true_dtype(precision))
     with ExitStack() as stack:
@@ -162,6 +167,8 @@ def simulate(
             tracker.add_resident(t, role, path)
         for t in residents:
             tracker.add_resident(t, Role.OTHER, "")
+        for t, role in kept:
+            tracker.add_resident(t, role, "")
         model.train()
         if isinstance(strategy, FSDP):
             strip_fully_shard(model)  # a module that arrived sharded is sharded again, on fake tensors
@@ -176,7 +183,7 @@ def simulate(
             step = runner(model, config, tracker)
             if strategy is not None:
                 # FSDP replaced the parameters by their shards: those are what this rank holds.
-                others = [(t, Role.OTHER, "") for t in residents]
+                others = [(t, Role.OTHER, "") for t in residents] + [(t, role, "") for t, role in kept]
                 tracker.settle_residents([*_residents(model, fake_batch), *others])
             current = fake_batch
             for i in range(steps):

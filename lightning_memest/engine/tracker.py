@@ -13,6 +13,7 @@ policy, recorded as a ``DataDependent`` event; the policy reads the values the s
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
@@ -411,6 +412,14 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             return FakeTensorMode.dispatch(self, func, types, args, kwargs)
         if func in _SKIP_OPS or func.namespace == "profiler":
             return super().__torch_dispatch__(func, types, args, kwargs)
+        if _composite(func):
+            # Under inference_mode (no autograd key) a composite op (conv2d, linear, layer_norm) reaches
+            # the mode whole; a real run decomposes it into the ops the kernel models, the FLOP formulas
+            # and the calibration know (convolution, addmm): so must the simulation, at this level.
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
 
         if func in _IN_PLACE_UPDATES and self.tracker.phase is Phase.OPTIMIZER and self._own(args, kwargs):
             # An optimizer's in-place update of a fake tensor: its result is its first argument and it
@@ -445,6 +454,18 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             if isinstance(a, Tensor) and not (isinstance(a, FakeTensor) and a.fake_mode is self):
                 return False
         return True
+
+
+@functools.cache
+def _composite(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` is CompositeImplicitAutograd (a composition of other aten ops, for every backend)
+    that returns tensors: ``is_nonzero`` or ``item``, reads of a value, keep their names in the report."""
+    returns = func._schema.returns
+    makes_tensors = bool(returns) and all(isinstance(r.type, torch.TensorType) for r in returns)
+    return makes_tensors and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(),  # type: ignore[no-untyped-call]
+        torch._C.DispatchKey.CompositeImplicitAutograd,
+    )
 
 
 def real_value(t: Tensor) -> Tensor | None:
