@@ -19,6 +19,7 @@ __all__ = [
     "DataDependentRead",
     "FlopCount",
     "KernelSource",
+    "MeasuredStep",
     "ModuleFlops",
     "ModuleStats",
     "OpFlops",
@@ -429,3 +430,19 @@ def render_columns(rows: Sequence[Sequence[str]], right_from: int) -> str:
         ]
         lines.append("  ".join(cells).rstrip())
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    """The real peak of one batch, as measured by ``MemEstimate`` (``step``: the training step, 1 or 2;
+    1 for a loop's first batch)."""
+
+    step: int
+    peak_bytes: int
+    reserved_bytes: int | None
+    estimated_bytes: int
+
+    @property
+    def error_pct(self) -> float:
+        """``(estimated - measured) / measured``, in percent."""
+        return 100.0 * (self.estimated_bytes - self.peak_bytes) / self.peak_bytes

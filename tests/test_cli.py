@@ -205,7 +205,8 @@ def test_estimate_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_measure_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     data = run_json(capsys, "measure", *LM)
-    assert set(data) == {"peak_bytes", "reserved_bytes", "step_seconds", "approximate"}
+    assert set(data) == {"peak_bytes", "reserved_bytes", "step_seconds", "loop", "approximate"}
+    assert data["loop"] == "train"
     assert data["approximate"] is False  # measured for real
     assert set(data["peak_bytes"]) == {"first_step", "steady_state"}
     assert all(type(v) is int and v > 0 for v in data["peak_bytes"].values())

@@ -8,30 +8,29 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelSummary
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_memest.adapter.budget_check import BudgetCheck
 from lightning_memest.adapter.ddp_buckets import UnseenBuckets
+from lightning_memest.adapter.describe import describe_checks
 from lightning_memest.adapter.eval_runner import Loop
 from lightning_memest.adapter.fit import fit_setup
-from lightning_memest.adapter.fit_batches import FitBatches, resident_at_start, resident_besides
+from lightning_memest.adapter.fit_batches import FitBatches, resident_at_start
+from lightning_memest.adapter.guard import Guard, attempt
 from lightning_memest.adapter.loggers import log_figures, log_hparams, log_scalars
 from lightning_memest.adapter.loggers.scalars import (
     estimate_scalars,
-    in_loop,
     lightning_logs_now,
     logging_step,
     measured_scalars,
 )
 from lightning_memest.adapter.loop_checks import LoopChecks
-from lightning_memest.adapter.ranks import first_failure, max_over_ranks
+from lightning_memest.adapter.ranks import max_over_ranks
 from lightning_memest.adapter.step_peaks import StepPeaks
 from lightning_memest.adapter.summary import (
     footer_items,
@@ -43,10 +42,9 @@ from lightning_memest.adapter.summary import (
     with_estimate,
 )
 from lightning_memest.batches import batch_size_of, iter_tensors
-from lightning_memest.budget import PrecheckResult, budget_for, precheck
-from lightning_memest.errors import MemoryBudgetError
+from lightning_memest.budget import PrecheckResult
 from lightning_memest.measure import StepProbe
-from lightning_memest.report import StepEstimate, format_bytes
+from lightning_memest.report import MeasuredStep, StepEstimate
 
 __all__ = ["CHECKED_STEPS", "MeasuredStep", "MemEstimate"]
 
@@ -54,30 +52,6 @@ _T = TypeVar("_T")
 
 #: How many real training batches are measured: the first step and the steady state.
 CHECKED_STEPS = 2
-
-#: What runs in each loop besides training, as the pre-check names it.
-_LOOP_WHAT = {
-    "sanity_check": "a validation batch of the sanity check",
-    "validate": "a validation batch",
-    "test": "a test batch",
-    "predict": "a predict batch",
-}
-
-
-@dataclass(frozen=True)
-class MeasuredStep:
-    """The real peak of one batch, as measured by the callback (``step``: the training step, 1 or 2;
-    1 for a loop's first batch)."""
-
-    step: int
-    peak_bytes: int
-    reserved_bytes: int | None
-    estimated_bytes: int
-
-    @property
-    def error_pct(self) -> float:
-        """``(estimated - measured) / measured``, in percent."""
-        return 100.0 * (self.estimated_bytes - self.peak_bytes) / self.peak_bytes
 
 
 class MemEstimate(ModelSummary):
@@ -173,7 +147,7 @@ class MemEstimate(ModelSummary):
         self._unseen: UnseenBuckets | None = None
         self._measure_failure: str | None = None  # why this rank's measurement stopped, if it did
         self._steps_started = 0
-        self._warned = False
+        self._guard = Guard()
         self._batches = FitBatches(calibrate)
         self._summarized = False
         self._trying = True  # estimating has not failed
@@ -182,11 +156,6 @@ class MemEstimate(ModelSummary):
         self._measured_at: list[int] = []  # Lightning's logging step of each measured batch
         self._step_peaks = StepPeaks()
         self._loops = LoopChecks(calibrate)
-        self.loop_measured: dict[str, MeasuredStep] = {}
-        """The measured first batch of each loop besides training, by loop name (as
-        :attr:`loop_estimates`)."""
-        self._loop_measuring: str | None = None  # the loop whose batch is being measured
-        self._loop_failure: str | None = None  # why this rank's measurement of it stopped, if it did
 
     @property
     def loop_estimates(self) -> dict[str, StepEstimate]:
@@ -196,6 +165,12 @@ class MemEstimate(ModelSummary):
         ``predict``). A new call of a loop replaces its estimate."""
         return self._loops.estimates
 
+    @property
+    def loop_measured(self) -> dict[str, MeasuredStep]:
+        """The measured first batch of each loop besides training, by loop name (as
+        :attr:`loop_estimates`)."""
+        return self._loops.measured
+
     def describe(self) -> str:
         """What the callback found, in a few lines: the estimate, its cost, and the check.
 
@@ -203,37 +178,9 @@ class MemEstimate(ModelSummary):
             >>> MemEstimate().describe()
             'MemEstimate: no estimate (fit has not started, or estimating failed)'
         """
-        estimate = self.estimate
-        if estimate is None:
-            loops = self._describe_loops()
-            if loops:
-                return "\n".join(["MemEstimate: no training estimate", *loops])
-            return "MemEstimate: no estimate (fit has not started, or estimating failed)"
-        lines = [
-            f"MemEstimate ({estimate.device}, {estimate.precision}): the estimate added "
-            f"{self.setup_seconds or 0.0:.2f} s to fit start ({estimate.estimate_seconds:.2f} s simulating "
-            f"{len(estimate.peaks)} steps)"
-        ]
-        for m in self.measured:
-            lines.append(
-                f"  step {m.step}: estimated {format_bytes(m.estimated_bytes)}, "
-                f"measured {format_bytes(m.peak_bytes)} ({m.error_pct:+.2f} %)"
-            )
-        if not self.measured:
-            lines += [
-                f"  step {p.step}: estimated {format_bytes(p.bytes)} (not measured)" for p in estimate.peaks
-            ]
-        return "\n".join(lines + self._describe_loops())
-
-    def _describe_loops(self) -> list[str]:
-        lines = []
-        for name, loop_estimate in self.loop_estimates.items():
-            line = f"  {name}: estimated {format_bytes(loop_estimate.peak_bytes)}"
-            m = self.loop_measured.get(name)
-            if m is not None:
-                line += f", measured {format_bytes(m.peak_bytes)} ({m.error_pct:+.2f} %)"
-            lines.append(line + ("" if m is not None else " (not measured)"))
-        return lines
+        return describe_checks(
+            self.estimate, self.setup_seconds, self.measured, self.loop_estimates, self.loop_measured
+        )
 
     # --- estimates: from the batches training gets; then the summary --------------------------------------
     @override
@@ -241,12 +188,11 @@ class MemEstimate(ModelSummary):
         # A new fit: nothing of an earlier one carries over.
         self.estimate, self.estimates, self.measured, self.setup_seconds = None, {}, [], None
         self._batches = FitBatches(self.calibrate)
-        self._summarized, self._trying, self._warned = False, True, False
+        self._summarized, self._trying, self._guard = False, True, Guard()
         self._close_probe()  # an earlier fit that ended inside its measured steps
         self._steps_started, self._measure_failure = 0, None
         self._measured_at, self._step_peaks = [], StepPeaks()
         self._loops.reset()
-        self.loop_measured, self._loop_measuring, self._loop_failure = {}, None, None
         self._safely("logging to TensorBoard", lambda: self._log_hparams(trainer))  # before Lightning's
         if self.example_batch is None:
             return  # estimated at the first training batch, with the batch in hand
@@ -272,8 +218,11 @@ class MemEstimate(ModelSummary):
         if self.estimate is not None:
             # Not through _safely: with memory_check="raise" the error must stop fit before any step.
             estimate = self.estimate
-            self._precheck(
-                trainer, estimate, lambda: self._training_fits(trainer, pl_module, batch, estimate, not given)
+            self._budget().act(
+                trainer,
+                self._guard,
+                estimate,
+                lambda: self._training_fits(trainer, pl_module, batch, estimate, not given),
             )
 
     def _note(self, estimate: StepEstimate) -> None:
@@ -285,43 +234,8 @@ class MemEstimate(ModelSummary):
             self._summarized = True
             self._safely("printing the model summary", lambda: self._print_summary(trainer, pl_module))
 
-    def _precheck(
-        self,
-        trainer: pl.Trainer,
-        estimate: StepEstimate,
-        fits: Callable[[], PrecheckResult],
-        *,
-        everywhere: bool = True,
-    ) -> None:
-        """Compare ``estimate`` with the memory budget (``fits()``); act as ``memory_check`` says.
-        ``everywhere``: every rank checks its batch at this point (a loop's first batch), and all act
-        alike on what they found; a later batch (``everywhere=False``) is checked on the rank that has
-        it, and under DDP only warned about -- one rank stopping alone would leave the others waiting in
-        the next collective."""
-        if self.memory_check == "off":
-            return
-        if not everywhere and trainer.world_size > 1:
-            found = self._safely("checking the memory budget", fits)
-            if found is not None and not found.fits:
-                warnings.warn(f"MemEstimate (rank {trainer.global_rank}): {found.error()}", stacklevel=2)
-            return
-        result = self._together(trainer, "checking the memory budget", fits)
-        if result is None:  # the check failed on some rank: every rank warned, none acts
-            return
-        # Under DDP every rank must decide alike, or the ranks that go on would wait for the others.
-        if trainer.strategy.reduce_boolean_decision(result.fits, all=True):
-            return
-        if result.fits:  # fits here, not on another rank
-            error = MemoryBudgetError(
-                "the estimate is over the memory budget on another rank",
-                peak_bytes=estimate.peak_bytes,
-                budget_bytes=0,
-            )
-        else:
-            error = result.error()
-        if self.memory_check == "raise":
-            raise error
-        rank_zero_warn(f"MemEstimate: {error}")
+    def _budget(self) -> BudgetCheck:
+        return BudgetCheck(self.memory_check, self.memory_budget, self.memory_margin_bytes)
 
     def _training_fits(
         self,
@@ -333,34 +247,11 @@ class MemEstimate(ModelSummary):
     ) -> PrecheckResult:
         fit = fit_setup(trainer, pl_module, batch, transferred=transferred)
         size = batch_size_of(fit.batch)
-        return self._fits(
-            estimate,
-            fit.device,
-            size,
-            lambda budget: fit.max_batch_size(budget, batch_size=size).max_batch_size,
-        )
 
-    def _fits(
-        self,
-        estimate: StepEstimate,
-        device: Any,
-        size: int | None,
-        search: Callable[[int], int],
-        what: str | None = None,
-    ) -> PrecheckResult:
-        """``estimate`` against the budget; ``search(budget)`` the largest batch size that fits."""
-        budget = budget_for(
-            estimate, device, memory_budget=self.memory_budget, margin_bytes=self.memory_margin_bytes
-        )
+        def search(budget: int) -> int:
+            return fit.max_batch_size(budget, batch_size=size).max_batch_size
 
-        def max_fit() -> int | None:
-            # The largest batch size that fits: a search, worth trying, not worth failing the check for.
-            try:
-                return search(budget)
-            except Exception:
-                return None
-
-        return precheck(estimate, budget, batch_size=size, max_fit=max_fit, what=what)
+        return self._budget().result(estimate, fit.device, size, search)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -437,8 +328,9 @@ class MemEstimate(ModelSummary):
         self._note(larger)
         scalars = estimate_scalars(larger.peak_bytes, flops=larger.flops)
         self._log(trainer, scalars, step=logging_step(trainer))
-        self._precheck(
+        self._budget().act(
             trainer,
+            self._guard,
             larger,
             lambda: self._training_fits(trainer, pl_module, batch, larger, True),
             everywhere=False,
@@ -459,7 +351,7 @@ class MemEstimate(ModelSummary):
             self._unseen = UnseenBuckets.at_step_start(trainer)
             probe.start(resident_at_start(trainer, pl_module, batch, own=self._batches.first))
 
-        self._measure_failure = _attempt("measuring", start)[1]
+        self._measure_failure = attempt("measuring", start)[1]
 
     @override
     def on_train_batch_end(
@@ -476,7 +368,7 @@ class MemEstimate(ModelSummary):
             probe.stop(unseen.bytes_at_step_end() if unseen is not None else 0)
 
         if self._measure_failure is None:
-            self._measure_failure = _attempt("measuring", stop)[1]
+            self._measure_failure = attempt("measuring", stop)[1]
         if self._steps_started == CHECKED_STEPS:
             self._finish(trainer)
 
@@ -493,15 +385,14 @@ class MemEstimate(ModelSummary):
         # fit is failing (the user's exception, or an interrupt): measure nothing more, and leave the
         # profiler stopped and the garbage collector on -- a profiler open at exit crashes the process.
         self._close_probe()
-        self._loop_measuring = None
-        _attempt("measuring", self._loops.close)
+        attempt("measuring", self._loops.close)
         restore_summaries(self._silenced)
         self._silenced = []
 
     def _close_probe(self) -> None:
         probe, self._probe = self._probe, None
         if probe is not None:
-            _attempt("measuring", probe.close)  # never in the way of the exception fit is raising
+            attempt("measuring", probe.close)  # never in the way of the exception fit is raising
 
     def _finish(self, trainer: pl.Trainer) -> None:
         """Read the measured steps (the CPU profiler runs across them), compare, log. Every rank comes
@@ -512,11 +403,11 @@ class MemEstimate(ModelSummary):
             return
         failure = self._measure_failure
         if failure is None:
-            results, failure = _attempt("measuring", probe.finish)
+            results, failure = attempt("measuring", probe.finish)
         else:
             results = None
-            _attempt("measuring", probe.close)
-        results = self._agreed(trainer, results, failure)
+            attempt("measuring", probe.close)
+        results = self._guard.agreed(trainer, results, failure)
         if results is None or self.estimate is None:
             return
         for step, result in enumerate(results):
@@ -542,8 +433,7 @@ class MemEstimate(ModelSummary):
 
     def _forget(self, name: str) -> None:
         self._loops.forget(name)
-        self.loop_measured.pop(name, None)
-        self._warned = False  # a new call: its failure is worth a warning of its own
+        self._guard.warned = False  # a new call: its failure is worth a warning of its own
 
     @override
     def on_validation_batch_start(
@@ -588,7 +478,7 @@ class MemEstimate(ModelSummary):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._loop_end(trainer)
+        self._loops.on_batch_end(trainer, self._guard)
 
     @override
     def on_test_batch_end(
@@ -600,7 +490,7 @@ class MemEstimate(ModelSummary):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._loop_end(trainer)
+        self._loops.on_batch_end(trainer, self._guard)
 
     @override
     def on_predict_batch_end(
@@ -612,77 +502,25 @@ class MemEstimate(ModelSummary):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._loop_end(trainer)
+        self._loops.on_batch_end(trainer, self._guard)
 
     def _loop_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, dataloader_idx: int, loop: Loop
     ) -> None:
-        """A loop's first batch, before it runs: estimated with the batch in hand (every rank alike),
-        logged, checked against the budget, then measured."""
-        if not self._loops.untried(trainer):
-            return
         # A training step measured on the CPU keeps its profiler open across the measured batches.
         profiling = self._probe is not None and trainer.strategy.root_device.type == "cpu"
-        started = self._together(
+        self._loops.on_batch_start(
             trainer,
-            "estimating the first batch of a loop",
-            lambda: self._loops.start(trainer, pl_module, batch, dataloader_idx, loop, profiling=profiling),
+            pl_module,
+            batch,
+            dataloader_idx,
+            loop,
+            guard=self._guard,
+            budget=self._budget(),
+            measure=self.check,
+            profiling=profiling,
+            announce=self._summarized,
         )
-        if started is None:
-            return
-        estimate, name = started.estimate, started.name
-        reserved = None if estimate.reserved_bytes is None else estimate.reserved_bytes[-1]
-        step = logging_step(trainer)
-        self._safely(
-            "logging",
-            lambda: self._log(trainer, in_loop(name, estimate_scalars(estimate.peak_bytes, reserved)), step),
-        )
-        if self._summarized and trainer.is_global_zero:
-            rank_zero_info(
-                f"MemEstimate: {_LOOP_WHAT[name]} ({estimate.device}, {estimate.precision}): "
-                f"estimated peak {format_bytes(estimate.peak_bytes)} at batch size {batch_size_of(batch)}"
-            )
-        size = batch_size_of(batch)
-        residents = resident_besides(trainer, pl_module, batch)
-        self._precheck(
-            trainer,
-            estimate,
-            lambda: self._fits(
-                estimate,
-                started.setup.device,
-                size,
-                lambda budget: started.setup.max_batch_size(budget, residents=residents).max_batch_size,
-                what=_LOOP_WHAT[name],
-            ),
-        )
-        if self.check and not profiling:
-            self._loop_measuring = name
-            self._loop_failure = _attempt(
-                "measuring", lambda: self._loops.measure(trainer, pl_module, batch)
-            )[1]
-
-    def _loop_end(self, trainer: pl.Trainer) -> None:
-        """The measured loop batch, compared and logged (every rank at the same batch)."""
-        name, self._loop_measuring = self._loop_measuring, None
-        if name is None:
-            return
-        failure = self._loop_failure
-        if failure is None:
-            result, failure = _attempt("measuring", self._loops.stop)
-        else:
-            result = None
-            _attempt("measuring", self._loops.close)
-        result = self._agreed(trainer, result, failure)
-        estimate = self.loop_estimates.get(name)
-        if result is None or estimate is None:
-            return
-        peak, reserved = max_over_ranks(trainer, (result[1], result[2]))
-        measured = MeasuredStep(1, peak, reserved, estimate.peak_bytes)
-        self.loop_measured[name] = measured
-        estimated_reserved = None if estimate.reserved_bytes is None else estimate.reserved_bytes[-1]
-        scalars = in_loop(name, measured_scalars(peak, reserved, estimate.peak_bytes, estimated_reserved))
-        step = logging_step(trainer)
-        self._safely("logging", lambda: self._log(trainer, scalars, step))
 
     # --- logging -------------------------------------------------------------------------------------------
     def _log_estimate(self, trainer: pl.Trainer, estimate: StepEstimate) -> None:
@@ -736,40 +574,12 @@ class MemEstimate(ModelSummary):
     def _log(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
         log_scalars(trainer.loggers, metrics, step)
 
-    # --- never in the way ----------------------------------------------------------------------------------
+    # --- never in the way: adapter/guard.py -------------------------------------------------------------
     def _safely(self, what: str, fn: Callable[[], _T]) -> _T | None:
-        """``fn``'s result, or ``None`` and one warning where it failed: for work of this rank alone
-        (printing, logging, a later batch's estimate), which no other rank waits on."""
-        result, failure = _attempt(what, fn)
-        if failure is not None:
-            self._warn(failure)
-        return result
+        return self._guard.safely(what, fn)
 
     def _together(self, trainer: pl.Trainer, what: str, fn: Callable[[], _T]) -> _T | None:
-        """``fn``'s result where it succeeded on every rank, else ``None`` on every rank and one warning
-        on each, alike: for what the ranks then act on together. A collective under DDP."""
-        return self._agreed(trainer, *_attempt(what, fn))
-
-    def _agreed(self, trainer: pl.Trainer, result: _T | None, failure: str | None) -> _T | None:
-        failure = first_failure(trainer, failure)
-        if failure is not None:
-            self._warn(failure)
-            return None
-        return result
-
-    def _warn(self, failure: str) -> None:
-        # One warning per fit; on every rank (rank_zero_warn would hide rank 1's failure).
-        if not self._warned:
-            self._warned = True
-            warnings.warn(f"MemEstimate: {failure}", UserWarning, stacklevel=3)
-
-
-def _attempt(what: str, fn: Callable[[], _T]) -> tuple[_T | None, str | None]:
-    """``(fn(), None)``, or ``(None, what failed and why)``: any failure must leave training alone."""
-    try:
-        return fn(), None
-    except Exception as exc:
-        return None, f"{what} failed, training goes on without it: {type(exc).__name__}: {exc}"
+        return self._guard.together(trainer, what, fn)
 
 
 def _set_flops_per_batch(pl_module: pl.LightningModule, estimate: StepEstimate) -> None:

@@ -1,5 +1,5 @@
 """The first batch of each loop besides training, as ``MemEstimate`` follows it: estimated with the batch in
-hand before it runs, then measured.
+hand before it runs, checked against the memory budget, then measured.
 
 The loops are named as the logs name them (``adapter.loops.loop_name``): ``sanity_check`` (the
 validation batches a fit runs before training), ``validate`` (a fit's validation, or
@@ -7,16 +7,19 @@ validation batches a fit runs before training), ``validate`` (a fit's validation
 batch's start (nothing is drawn from a loader early), with what is alive then: the module, the training
 state that stays through the batch (gradients, the optimizers' state), everything else on the device.
 The batch is then measured (CPU: the allocator's events in ``torch.profiler``; CUDA: the peak
-statistics) unless another measurement is open (a validation inside a measured training batch).
+statistics) unless another measurement is open (a validation inside a measured training batch). The
+estimates and measurements are logged as ``memest/<loop>/...``. Every step that decides is agreed by
+the ranks first (``adapter/guard.py``), and a failure is one warning: the loop runs on.
 
 Example (in a callback)::
 
     checks = LoopChecks(calibrate=True)
-    started = checks.start(trainer, pl_module, batch, dataloader_idx, "validate")
-    ...  # check started.estimate against the budget, log it
-    checks.measure(trainer, pl_module, batch)
-    ...  # the batch runs
-    peak = checks.stop()  # (loop name, peak bytes, reserved bytes or None)
+    # on_validation_batch_start:
+    checks.on_batch_start(trainer, pl_module, batch, dataloader_idx, "validate", guard=guard,
+                          budget=BudgetCheck("warn"), measure=True)
+    # on_validation_batch_end:
+    checks.on_batch_end(trainer, guard)
+    checks.estimates["validate"], checks.measured["validate"]
 """
 
 from __future__ import annotations
@@ -24,14 +27,29 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_memest.adapter.budget_check import BudgetCheck
 from lightning_memest.adapter.eval_runner import Loop
 from lightning_memest.adapter.fit_batches import resident_at_start, resident_besides
+from lightning_memest.adapter.guard import Guard, attempt
+from lightning_memest.adapter.loggers import log_scalars
+from lightning_memest.adapter.loggers.scalars import estimate_scalars, in_loop, logging_step, measured_scalars
 from lightning_memest.adapter.loops import LoopSetup, loop_name, loop_setup
+from lightning_memest.adapter.ranks import max_over_ranks
+from lightning_memest.batches import batch_size_of
 from lightning_memest.measure import StepProbe
-from lightning_memest.report import StepEstimate
+from lightning_memest.report import MeasuredStep, StepEstimate, format_bytes
 
-__all__ = ["LoopChecks", "LoopStart"]
+__all__ = ["LOOP_WHAT", "LoopChecks", "LoopStart"]
+
+#: What runs in each loop besides training, as the pre-check and the console name it.
+LOOP_WHAT = {
+    "sanity_check": "a validation batch of the sanity check",
+    "validate": "a validation batch",
+    "test": "a test batch",
+    "predict": "a predict batch",
+}
 
 
 class LoopStart:
@@ -51,14 +69,17 @@ class LoopChecks:
         self.calibrate = calibrate
         self.estimates: dict[str, StepEstimate] = {}
         """Each loop's first-batch estimate, by loop name."""
+        self.measured: dict[str, MeasuredStep] = {}
+        """Each loop's measured first batch, by loop name."""
         self._tried: set[str] = set()
         self._probe: StepProbe | None = None
-        self._measuring: str | None = None
+        self._measuring: str | None = None  # the loop whose batch is being measured
+        self._failure: str | None = None  # why this rank's measurement of it stopped, if it did
 
     def reset(self) -> None:
-        """A new fit or call: nothing of an earlier one carries over."""
+        """A new fit: nothing of an earlier one carries over."""
         self.close()
-        self.estimates, self._tried = {}, set()
+        self.estimates, self.measured, self._tried = {}, {}, set()
 
     def untried(self, trainer: pl.Trainer) -> bool:
         """Whether the running loop's first batch is still to be estimated (cheap: every batch asks)."""
@@ -69,7 +90,85 @@ class LoopChecks:
         again, the others' estimates kept."""
         self._tried.discard(name)
         self.estimates.pop(name, None)
+        self.measured.pop(name, None)
 
+    # --- the hooks ---------------------------------------------------------------------------------------
+    def on_batch_start(
+        self,
+        trainer: pl.Trainer,
+        module: pl.LightningModule,
+        batch: Any,
+        dataloader_idx: int,
+        loop: Loop,
+        *,
+        guard: Guard,
+        budget: BudgetCheck,
+        measure: bool,
+        profiling: bool = False,
+        announce: bool = False,
+    ) -> None:
+        """At a batch's start, if it is its loop's first: estimate it (every rank alike), log it (and with
+        ``announce``, one console line), check it against ``budget`` -- which may raise
+        ``MemoryBudgetError`` -- then, with ``measure``, measure it. ``profiling``: a CPU profiler is
+        open already (a validation inside a measured training batch): calibration keeps to its cache,
+        and nothing is measured."""
+        if not self.untried(trainer):
+            return
+        started = guard.together(
+            trainer,
+            "estimating the first batch of a loop",
+            lambda: self.start(trainer, module, batch, dataloader_idx, loop, profiling=profiling),
+        )
+        if started is None:
+            return
+        estimate, name = started.estimate, started.name
+        reserved = None if estimate.reserved_bytes is None else estimate.reserved_bytes[-1]
+        scalars = in_loop(name, estimate_scalars(estimate.peak_bytes, reserved))
+        step = logging_step(trainer)
+        guard.safely("logging", lambda: log_scalars(trainer.loggers, scalars, step))
+        size = batch_size_of(batch)
+        if announce and trainer.is_global_zero:
+            rank_zero_info(
+                f"MemEstimate: {LOOP_WHAT[name]} ({estimate.device}, {estimate.precision}): "
+                f"estimated peak {format_bytes(estimate.peak_bytes)} at batch size {size}"
+            )
+        residents = resident_besides(trainer, module, batch)
+
+        def search(budget_bytes: int) -> int:
+            return started.setup.max_batch_size(budget_bytes, residents=residents).max_batch_size
+
+        device = started.setup.device
+        budget.act(
+            trainer, guard, estimate, lambda: budget.result(estimate, device, size, search, LOOP_WHAT[name])
+        )
+        if measure and not profiling:
+            self._measuring = name
+            self._failure = attempt("measuring", lambda: self._measure(trainer, module, batch))[1]
+
+    def on_batch_end(self, trainer: pl.Trainer, guard: Guard) -> None:
+        """At a batch's end: the measured batch, if one was, compared and logged (every rank at the same
+        batch; a failure on any rank is one warning on all)."""
+        name, self._measuring = self._measuring, None
+        if name is None:
+            return
+        failure = self._failure
+        if failure is None:
+            result, failure = attempt("measuring", self._stop)
+        else:
+            result = None
+            attempt("measuring", self.close)
+        result = guard.agreed(trainer, result, failure)
+        estimate = self.estimates.get(name)
+        if result is None or estimate is None:
+            return
+        peak, reserved = max_over_ranks(trainer, result)
+        self.measured[name] = MeasuredStep(1, peak, reserved, estimate.peak_bytes)
+        estimated_reserved = None if estimate.reserved_bytes is None else estimate.reserved_bytes[-1]
+        scalars = in_loop(name, measured_scalars(peak, reserved, estimate.peak_bytes, estimated_reserved))
+        step = logging_step(trainer)
+        guard.safely("logging", lambda: log_scalars(trainer.loggers, scalars, step))
+
+    # --- the work ----------------------------------------------------------------------------------------
     def start(
         self,
         trainer: pl.Trainer,
@@ -80,11 +179,8 @@ class LoopChecks:
         *,
         profiling: bool = False,
     ) -> LoopStart | None:
-        """At a batch's start: its loop's estimate if this is the loop's first batch (``None`` otherwise,
-        or where the step ran no tensor op).
-        ``profiling``: another CPU profiler is open (a validation inside a measured training batch),
-        which keeps calibration to its cache. Raises what estimating raised; the loop is not tried
-        again."""
+        """The running loop's estimate if this is its first batch (``None`` otherwise, or where the step
+        ran no tensor op). Raises what estimating raised; the loop is not tried again."""
         name = loop_name(trainer)
         if name in self._tried:
             return None
@@ -100,26 +196,24 @@ class LoopChecks:
         self.estimates[name] = estimate
         return LoopStart(name, setup, estimate)
 
-    def measure(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any) -> None:
-        """Start measuring the batch about to run (after its pre-check: a search is not measured)."""
-        self.close()
+    def _measure(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any) -> None:
+        if self._probe is not None:  # left open by a batch whose end never came
+            self._probe.close()
+            self._probe = None
         probe = StepProbe(trainer.strategy.root_device)
         probe.start(resident_at_start(trainer, module, batch))
-        self._probe, self._measuring = probe, loop_name(trainer)
+        self._probe = probe
 
-    def stop(self) -> tuple[str, int, int | None] | None:
-        """At a batch's end: the loop measured and its peak (bytes, reserved bytes on CUDA), if one was
-        being measured."""
-        probe, name = self._probe, self._measuring
-        if probe is None or name is None:
-            return None
-        self._probe, self._measuring = None, None
+    def _stop(self) -> tuple[int, int | None]:
+        probe, self._probe = self._probe, None
+        if probe is None:
+            raise RuntimeError("no measurement was started")
         try:
             probe.stop()
             ((peak, reserved),) = probe.finish()
         finally:
             probe.close()
-        return name, peak, reserved
+        return peak, reserved
 
     def close(self) -> None:
         """Stop measuring, keep nothing (the loop failed or was interrupted)."""

@@ -416,10 +416,10 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             # Under inference_mode (no autograd key) a composite op (conv2d, linear, layer_norm) reaches
             # the mode whole; a real run decomposes it into the ops the kernel models, the FLOP formulas
             # and the calibration know (convolution, addmm): so must the simulation, at this level.
+            # The C++ composite, not a Python decomposition registered for tracing (upsample_bilinear2d's
+            # computes with a dozen elementwise ops the real kernel does not make).
             with self:
-                out = func.decompose(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
+                return func._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
 
         if func in _IN_PLACE_UPDATES and self.tracker.phase is Phase.OPTIMIZER and self._own(args, kwargs):
             # An optimizer's in-place update of a fake tensor: its result is its first argument and it
@@ -458,14 +458,16 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
 
 @functools.cache
 def _composite(func: torch._ops.OpOverload) -> bool:
-    """Whether ``func`` is CompositeImplicitAutograd (a composition of other aten ops, for every backend)
-    that returns tensors: ``is_nonzero`` or ``item``, reads of a value, keep their names in the report."""
+    """Whether a real run decomposes ``func``: CompositeImplicitAutograd (a composition of other aten
+    ops) with no kernel of its own for the CPU or CUDA (``silu_backward`` has both: it runs whole), and
+    returning tensors (``is_nonzero``, ``item``, reads of a value, keep their names in the report)."""
     returns = func._schema.returns
-    makes_tensors = bool(returns) and all(isinstance(r.type, torch.TensorType) for r in returns)
-    return makes_tensors and torch._C._dispatch_has_kernel_for_dispatch_key(
-        func.name(),  # type: ignore[no-untyped-call]
-        torch._C.DispatchKey.CompositeImplicitAutograd,
-    )
+    if not returns or not all(isinstance(r.type, torch.TensorType) for r in returns):
+        return False
+    name = func.name()  # type: ignore[no-untyped-call]
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    keys = torch._C.DispatchKey
+    return has(name, keys.CompositeImplicitAutograd) and not has(name, keys.CPU) and not has(name, keys.CUDA)
 
 
 def real_value(t: Tensor) -> Tensor | None:
