@@ -24,10 +24,12 @@ Example (in a callback)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
 
 from lightning_memest.adapter.budget_check import BudgetCheck
 from lightning_memest.adapter.eval_runner import Loop
@@ -55,11 +57,15 @@ LOOP_WHAT = {
 class LoopStart:
     """A loop's first batch, estimated: what the callback checks against the budget and logs."""
 
-    def __init__(self, name: str, setup: LoopSetup, estimate: StepEstimate) -> None:
+    def __init__(
+        self, name: str, setup: LoopSetup, estimate: StepEstimate, residents: Sequence[Tensor]
+    ) -> None:
         self.name = name
         """``sanity_check``, ``validate``, ``test`` or ``predict``."""
         self.setup = setup
         self.estimate = estimate
+        self.residents = residents
+        """What else lived on the device (``resident_besides``): for a search at other batch sizes."""
 
 
 class LoopChecks:
@@ -132,10 +138,9 @@ class LoopChecks:
                 f"MemEstimate: {LOOP_WHAT[name]} ({estimate.device}, {estimate.precision}): "
                 f"estimated peak {format_bytes(estimate.peak_bytes)} at batch size {size}"
             )
-        residents = resident_besides(trainer, module, batch)
 
         def search(budget_bytes: int) -> int:
-            return started.setup.max_batch_size(budget_bytes, residents=residents).max_batch_size
+            return started.setup.max_batch_size(budget_bytes, residents=started.residents).max_batch_size
 
         device = started.setup.device
         budget.act(
@@ -190,11 +195,12 @@ class LoopChecks:
         calibrate: bool | Literal["cached"] = False
         if self.calibrate:
             calibrate = "cached" if profiling else True
-        estimate = setup.estimate(calibrate=calibrate, residents=resident_besides(trainer, module, batch))
+        residents = resident_besides(trainer, module, batch)  # a scan of every live tensor: once
+        estimate = setup.estimate(calibrate=calibrate, residents=residents)
         if not estimate.peaks:
             return None  # the step ran no tensor op (it only logs, say): nothing to estimate or check
         self.estimates[name] = estimate
-        return LoopStart(name, setup, estimate)
+        return LoopStart(name, setup, estimate, residents)
 
     def _measure(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any) -> None:
         if self._probe is not None:  # left open by a batch whose end never came
