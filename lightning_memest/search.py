@@ -30,17 +30,13 @@ fit could move its peak (``search_calibration.py``); the search then starts from
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import multiprocessing
 import os
-import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -53,6 +49,7 @@ from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, St
 from lightning_memest.errors import EstimationError, one_line
 from lightning_memest.report import format_bytes
 from lightning_memest.search_calibration import CalibratedPeaks, SearchCalibration
+from lightning_memest.search_worker import ProbeModel, Worker, can_fork, start_worker
 
 __all__ = [
     "DEFAULT_CAP",
@@ -143,31 +140,6 @@ class BatchSizeResult:
         }
 
 
-@runtime_checkable
-class ProbeModel(Protocol):
-    """A peak model with a say in how the search runs it (:class:`CalibratedPeaks`): a plain
-    ``peak_of(n)`` is one too, with nothing to prepare or share."""
-
-    def __call__(self, n: int) -> int | PeakProfile: ...
-
-    def prepare(self) -> tuple[dict[int, PeakProfile], bool]:
-        """Run here once the worker is forked: probes already answered, and whether the worker may
-        answer probes."""
-        ...
-
-    def share(self) -> object:
-        """What the worker needs for its next probe (sent with it)."""
-        ...
-
-    def receive(self, shared: Any) -> None:
-        """In the worker: what :meth:`share` sent."""
-        ...
-
-    def finish(self, answer: int | PeakProfile) -> int | PeakProfile:
-        """Here: the worker's answer made final."""
-        ...
-
-
 @dataclass
 class _Search:
     peak_of: Callable[[int], int | PeakProfile]
@@ -178,7 +150,7 @@ class _Search:
     curves: dict[int, tuple[int, ...]] = field(default_factory=dict)
     rejected: dict[int, EstimationError] = field(default_factory=dict)
     """The sizes the step failed at, with the failure."""
-    worker: _Worker | None = None
+    worker: Worker | None = None
 
     def peak(self, n: int) -> int:
         if not self.accepts(n):
@@ -314,7 +286,7 @@ def search_batch_size(
     if cap < 1:
         raise ValueError(f"the cap must be at least 1; got {cap}")
     began = time.perf_counter()
-    s = _Search(peak_of, budget_bytes, progress, worker=_start_worker(peak_of) if workers > 1 else None)
+    s = _Search(peak_of, budget_bytes, progress, worker=start_worker(peak_of) if workers > 1 else None)
     try:
         if isinstance(peak_of, ProbeModel):
             known, parallel = peak_of.prepare()
@@ -499,91 +471,3 @@ def search_steps(
         peaks, budget_bytes, start=high, cap=cap, progress=progress, workers=workers, low=low
     )
     return dataclasses.replace(result, calibration=peaks.summary())
-
-
-def can_fork() -> bool:
-    """Whether probes may run in forked processes here: Linux, no CUDA context, no other Python
-    thread and no process group in this process (forking any of those is unsafe)."""
-    return (
-        sys.platform.startswith("linux")
-        and "fork" in multiprocessing.get_all_start_methods()
-        and not torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-        and threading.active_count() == 1
-        and not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    )
-
-
-def _start_worker(peak_of: Callable[[int], int | PeakProfile]) -> _Worker | None:
-    """A worker for the search, or ``None`` where forking is unsafe or the child cannot run backward
-    (autograd refuses in a child forked after this process started its device threads for other
-    devices: the worker is forked before the search's own first probe, and says at once whether it
-    can)."""
-    if not can_fork():
-        return None
-    worker = _Worker(peak_of)
-    if worker.ready:
-        return worker
-    worker.close()
-    return None
-
-
-class _Worker:
-    """A forked process that answers probes for the search (``None`` for one it could not answer)."""
-
-    def __init__(self, peak_of: Callable[[int], int | PeakProfile]) -> None:
-        self._model = peak_of if isinstance(peak_of, ProbeModel) else None
-        ctx = multiprocessing.get_context("fork")
-        self._conn, child_end = ctx.Pipe()
-        self._process = ctx.Process(target=_serve, args=(peak_of, child_end), daemon=True)
-        self._process.start()
-        child_end.close()
-        self.ready = self.result() == 0  # the child's first answer: whether it can run backward
-
-    def submit(self, n: int) -> None:
-        self._conn.send((n, self._model.share() if self._model is not None else None))
-
-    def answer(self) -> int | PeakProfile | None:
-        """The answer to the probe submitted, made final here (a :class:`ProbeModel`'s ``finish``)."""
-        answer = self.result()
-        if answer is None or self._model is None:
-            return answer
-        try:
-            return self._model.finish(answer)
-        except Exception:
-            return None  # the search probes that size here instead
-
-    def result(self) -> int | PeakProfile | None:
-        try:
-            answer: int | PeakProfile | None = self._conn.recv()
-        except (EOFError, OSError):
-            return None
-        return answer
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._conn.send(None)
-        self._conn.close()
-        self._process.join(timeout=10)
-        if self._process.is_alive():
-            self._process.kill()
-
-
-def _serve(peak_of: Callable[[int], int | PeakProfile], conn: Any) -> None:
-    # A child forked after the parent started autograd's threads for other devices than the CPU cannot
-    # run backward (the engine settles them first, engine/autograd_threads.py, but a process may have
-    # started them itself): say so at once; the search runs alone.
-    try:
-        torch.ones(1, device="meta", requires_grad=True).sum().backward()  # type: ignore[no-untyped-call]
-    except RuntimeError:
-        conn.send(None)
-        return
-    conn.send(0)
-    while (message := conn.recv()) is not None:
-        n, shared = message
-        try:
-            if isinstance(peak_of, ProbeModel):
-                peak_of.receive(shared)
-            answer = peak_of(n)
-        except BaseException:
-            answer = None
-        conn.send(answer)

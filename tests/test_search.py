@@ -4,12 +4,12 @@ and the command line, alone and with its worker process."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from torch import nn
 
 from lightning_memest import estimate_step
 from lightning_memest.cases import InputSpec, build_case, case_batch_maker, estimate_case, measure_case
@@ -208,9 +208,6 @@ print(json.dumps({"max": r.max_batch_size, "peak": r.peak_bytes_at_max, "probes"
 
 def test_probes_in_a_worker_process_give_the_same_answer() -> None:
     # In a fresh process (as the CLI runs) pairs of probes run at once, one in a forked worker.
-    import subprocess
-    import sys
-
     def run(workers: int) -> dict[str, Any]:
         out = subprocess.run(
             [sys.executable, "-c", _PARALLEL, str(TESTS), str(workers)],
@@ -226,24 +223,31 @@ def test_probes_in_a_worker_process_give_the_same_answer() -> None:
     assert paired["probes"][:2] == [1, 8] and set(alone["probes"]) <= set(paired["probes"])
 
 
+_FORKED_AFTER = """
+import json, torch
+from torch import nn
+from lightning_memest import estimate_step
+from lightning_memest.search import max_batch_size
+from lightning_memest.search_worker import Worker
+estimate_step(nn.Linear(8, 8), torch.randn(2, 8), optimizer=torch.optim.SGD)
+worker = Worker(lambda n: n)
+ready = worker.ready
+worker.close()
+model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 10))
+batch = lambda n: torch.empty(n, 3, 16, 16, device="meta")
+paired = max_batch_size(model, batch, 50 * 2**20, workers=2)
+alone = max_batch_size(model, batch, 50 * 2**20, workers=1)
+print(json.dumps([ready, [paired.max_batch_size, paired.peak_bytes_at_max],
+                  [alone.max_batch_size, alone.peak_bytes_at_max]]))
+"""
+
+
 def test_a_worker_forked_after_a_simulation_runs_backward() -> None:
     # The engine settles autograd's device threads with a real CPU backward before the first fake one
     # (engine/autograd_threads.py), so a child forked after a simulation can run backward too: the
-    # worker is ready, and probes in pairs give the answer of probes alone.
-    from lightning_memest.search import _Worker
-
-    estimate_step(nn.Linear(8, 8), torch.randn(2, 8), optimizer=torch.optim.SGD)
-    worker = _Worker(lambda n: n)
-    assert worker.ready
-    worker.close()
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 10))
-
-    def batch(n: int) -> torch.Tensor:
-        return torch.empty(n, 3, 16, 16, device="meta")
-
-    paired = max_batch_size(model, batch, 50 * 2**20, workers=2)
-    alone = max_batch_size(model, batch, 50 * 2**20, workers=1)
-    assert (paired.max_batch_size, paired.peak_bytes_at_max) == (
-        alone.max_batch_size,
-        alone.peak_bytes_at_max,
-    )
+    # worker is ready, and probes in pairs give the answer of probes alone. In a fresh process: what
+    # ran before in this one decides it.
+    done = subprocess.run([sys.executable, "-c", _FORKED_AFTER], capture_output=True, text=True, check=True)
+    ready, paired, alone = json.loads(done.stdout.strip().splitlines()[-1])
+    assert ready
+    assert paired == alone

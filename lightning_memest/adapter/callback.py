@@ -22,16 +22,14 @@ from lightning_memest.adapter.eval_runner import Loop
 from lightning_memest.adapter.fit import fit_setup
 from lightning_memest.adapter.fit_batches import FitBatches, resident_at_start
 from lightning_memest.adapter.guard import Guard, attempt
-from lightning_memest.adapter.loggers import log_figures, log_hparams, log_scalars
+from lightning_memest.adapter.loggers import log_scalars
+from lightning_memest.adapter.loggers.fit_log import FitLog
 from lightning_memest.adapter.loggers.scalars import (
     estimate_scalars,
-    lightning_logs_now,
     logging_step,
-    measured_scalars,
 )
 from lightning_memest.adapter.loop_checks import LoopChecks
 from lightning_memest.adapter.ranks import max_over_ranks
-from lightning_memest.adapter.step_peaks import StepPeaks
 from lightning_memest.adapter.summary import (
     footer_items,
     loop_footer_items,
@@ -153,8 +151,7 @@ class MemEstimate(ModelSummary):
         self._trying = True  # estimating has not failed
         self._silenced: list[tuple[ModelSummary, int]] = []  # other summaries, off for this fit
         self._rich: bool | None = None  # the summary's style: Rich, plain, or as Lightning picks
-        self._measured_at: list[int] = []  # Lightning's logging step of each measured batch
-        self._step_peaks = StepPeaks()
+        self._fit_log = FitLog()
         self._loops = LoopChecks(calibrate)
 
     @property
@@ -191,9 +188,9 @@ class MemEstimate(ModelSummary):
         self._summarized, self._trying, self._guard = False, True, Guard()
         self._close_probe()  # an earlier fit that ended inside its measured steps
         self._steps_started, self._measure_failure = 0, None
-        self._measured_at, self._step_peaks = [], StepPeaks()
+        self._fit_log = FitLog()
         self._loops.reset()
-        self._safely("logging to TensorBoard", lambda: self._log_hparams(trainer))  # before Lightning's
+        self._safely("logging to TensorBoard", lambda: self._fit_log.hparams(trainer))  # before Lightning's
         if self.example_batch is None:
             return  # estimated at the first training batch, with the batch in hand
         example = pl_module.on_before_batch_transfer(self.example_batch, 0)
@@ -296,12 +293,14 @@ class MemEstimate(ModelSummary):
         elif self._trying and self._steps_started > 1:
             self._later_estimate(trainer, pl_module, batch)
         if self.check and self.estimate is not None and self._steps_started < CHECKED_STEPS:
-            self._measured_at.append(logging_step(trainer))
+            self._fit_log.measured_at.append(logging_step(trainer))
             self._start_measuring(trainer, pl_module, batch)
         else:
             self._steps_started += 1
             if self._every_step(trainer):
-                self._safely("measuring", lambda: self._step_peaks.start(trainer.strategy.root_device))
+                self._safely(
+                    "measuring", lambda: self._fit_log.step_peaks.start(trainer.strategy.root_device)
+                )
 
     def _second_estimate(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, measuring: bool
@@ -327,7 +326,7 @@ class MemEstimate(ModelSummary):
             return
         self._note(larger)
         scalars = estimate_scalars(larger.peak_bytes, flops=larger.flops)
-        self._log(trainer, scalars, step=logging_step(trainer))
+        log_scalars(trainer.loggers, scalars, logging_step(trainer))
         self._budget().act(
             trainer,
             self._guard,
@@ -414,8 +413,10 @@ class MemEstimate(ModelSummary):
             peak, reserved = max_over_ranks(trainer, result)
             measured = MeasuredStep(step + 1, peak, reserved, self.estimate.peaks[step].bytes)
             self.measured.append(measured)
-            self._safely("logging", lambda m=measured: self._log_measured(trainer, m))  # type: ignore[misc]
-        self._safely("logging to TensorBoard", lambda: self._log_tensorboard(trainer, final=True))
+            self._safely("logging", lambda m=measured: self._fit_log.measured(trainer, self.estimate, m))  # type: ignore[misc]
+        self._safely(
+            "logging to TensorBoard", lambda: self._fit_log.figures(trainer, self.estimate, self.measured)
+        )
 
     # --- the other loops: each one's first batch estimated, checked, measured ------------------------------
     @override
@@ -522,36 +523,10 @@ class MemEstimate(ModelSummary):
             announce=self._summarized,
         )
 
-    # --- logging -------------------------------------------------------------------------------------------
+    # --- logging: adapter/loggers/fit_log.py ---------------------------------------------------------------
     def _log_estimate(self, trainer: pl.Trainer, estimate: StepEstimate) -> None:
-        # The estimate of the batch about to run (the first step's, else the steady state's), at its step.
-        index = min(self._steps_started, len(estimate.peaks) - 1)
-        reserved = None if estimate.reserved_bytes is None else estimate.reserved_bytes[index]
-        scalars = estimate_scalars(estimate.peaks[index].bytes, reserved, estimate.flops)
-        self._log(trainer, scalars, step=logging_step(trainer))
-        self._safely("logging to TensorBoard", lambda: self._log_tensorboard(trainer, final=False))
-
-    def _log_tensorboard(self, trainer: pl.Trainer, final: bool) -> None:
-        estimate = self.estimate
-        if estimate is None or not trainer.is_global_zero:
-            return
-        measured = [m.peak_bytes for m in self.measured] if final else None
-        step = self._measured_at[len(measured) - 1] if measured else logging_step(trainer)
-        log_figures(trainer.loggers, estimate, measured, step=step)
-
-    def _log_hparams(self, trainer: pl.Trainer) -> None:
-        if trainer.is_global_zero:
-            log_hparams(trainer)
-
-    def _log_measured(self, trainer: pl.Trainer, measured: MeasuredStep) -> None:
-        reserved = None
-        if self.estimate is not None and self.estimate.reserved_bytes is not None:
-            reserved = self.estimate.reserved_bytes[measured.step - 1]
-        flops = None if self.estimate is None else self.estimate.flops
-        scalars = measured_scalars(
-            measured.peak_bytes, measured.reserved_bytes, measured.estimated_bytes, reserved, flops
-        )
-        self._log(trainer, scalars, step=self._measured_at[measured.step - 1])
+        self._fit_log.estimate(trainer, estimate, index=self._steps_started)
+        self._safely("logging to TensorBoard", lambda: self._fit_log.figures(trainer, self.estimate, None))
 
     def _every_step(self, trainer: pl.Trainer) -> bool:
         """On CUDA, once the first steps are measured, each batch's peak is too (``StepPeaks``)."""
@@ -559,20 +534,8 @@ class MemEstimate(ModelSummary):
         return cuda and self.check and bool(self.measured) and self._steps_started > CHECKED_STEPS
 
     def _log_step_peak(self, trainer: pl.Trainer, batch: Any) -> None:
-        """This batch's peak into the peaks since the last logged point; logged where Lightning logs,
-        beside the estimate for this batch's shapes."""
-        self._step_peaks.stop(trainer.strategy.root_device)
-        peak = self._step_peaks.take() if lightning_logs_now(trainer) else None
-        estimate = self.estimates.get(tuple(tuple(t.shape) for t in iter_tensors(batch)), self.estimate)
-        if peak is None or estimate is None:
-            return
-        reserved = None if estimate.reserved_bytes is None else estimate.reserved_bytes[-1]
-        scalars = measured_scalars(peak[0], peak[1], estimate.peaks[-1].bytes, reserved, estimate.flops)
-        self._log(trainer, scalars, step=logging_step(trainer))
-
-    @staticmethod
-    def _log(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
-        log_scalars(trainer.loggers, metrics, step)
+        shapes = tuple(tuple(t.shape) for t in iter_tensors(batch))
+        self._fit_log.step_peak(trainer, self.estimates.get(shapes, self.estimate))
 
     # --- never in the way: adapter/guard.py -------------------------------------------------------------
     def _safely(self, what: str, fn: Callable[[], _T]) -> _T | None:
