@@ -15,6 +15,7 @@ Run: ``python benchmarks/distributed.py`` (about a minute on 2 cores).
 
 from __future__ import annotations
 
+import argparse
 import socket
 import sys
 import time
@@ -96,5 +97,8 @@ def seven_b() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args()
     accuracy()
     seven_b()

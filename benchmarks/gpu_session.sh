@@ -21,6 +21,11 @@
 #   session.log               everything printed, with the time each part took
 set -uo pipefail
 
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then  # the usage, and the comment above
+    printf 'usage: bash benchmarks/gpu_session.sh OUTPUT_FOLDER\n\n'
+    awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "${BASH_SOURCE[0]}"
+    exit 0
+fi
 out="${1:-${OUT:-}}"
 if [ -z "$out" ]; then
     echo "usage: bash benchmarks/gpu_session.sh OUTPUT_FOLDER" >&2

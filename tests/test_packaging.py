@@ -1,5 +1,5 @@
 """What ``pip install`` ships: the package with its ``py.typed`` marker (PEP 561), so that users' type
-checkers read its annotations."""
+checkers read its annotations; and what importing it costs."""
 
 from __future__ import annotations
 
@@ -31,3 +31,19 @@ def test_the_wheel_ships_py_typed(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "lightning_memest/py.typed" in names
     assert "lightning_memest/cli/progress.py" in names
+
+
+def test_lightning_is_imported_only_for_the_callbacks() -> None:
+    # Importing Lightning takes seconds: `memest` and estimate_step do without it, the callbacks bring it.
+    code = """
+import sys
+import lightning_memest, lightning_memest.cli
+assert not [m for m in sys.modules if m.split(".")[0] in ("lightning", "pytorch_lightning")], "imported"
+from lightning_memest import FitBatchSize, MemEstimate
+import lightning.pytorch as pl
+assert issubclass(MemEstimate, pl.Callback) and issubclass(FitBatchSize, pl.Callback)
+assert {"FitBatchSize", "MemEstimate"} <= set(dir(lightning_memest))
+assert lightning_memest.MemEstimate is MemEstimate
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr

@@ -129,7 +129,7 @@ def _print_estimate(est: StepEstimate, out: TextIO) -> None:
         print("\n  FLOPs of one step (2 x MACs of matmuls, convolutions, attention):", file=out)
         print(f"    {'forward':<22}{human_flops(f.forward):>12}", file=out)
         print(f"    {'backward':<22}{human_flops(f.backward or 0):>12}", file=out)
-        print(f"    {'other (elementwise...)':<22}{human_flops(f.other_total):>12}", file=out)
+        print(f"    {'other (elementwise)':<22}{human_flops(f.other_total):>12}", file=out)
     if est.calibration is not None:
         c = est.calibration
         note = f"; not measurable, their hand models held: {', '.join(c.failed)}" if c.failed else ""
