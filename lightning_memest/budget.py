@@ -49,6 +49,7 @@ __all__ = [
     "device_budget",
     "parse_size",
     "precheck",
+    "what_runs",
 ]
 
 #: Device memory that real CUDA steps take outside the caching allocator (library handles, lazily
@@ -192,6 +193,15 @@ _LOOP_STEPS = {
 }
 
 
+def what_runs(loop: str) -> str:
+    """What one batch of ``loop`` (``StepEstimate.loop``) is called in a message.
+
+    >>> what_runs("train"), what_runs("predict")
+    ('a training step', 'a predict batch')
+    """
+    return _LOOP_STEPS.get(loop, f"a {loop} batch")
+
+
 @dataclass(frozen=True)
 class PrecheckResult:
     """Whether an estimate fits a budget, and the sentence that says so."""
@@ -244,7 +254,7 @@ def precheck(
     """  # noqa: E501
     peak = estimate.peak_bytes
     at = f" at batch size {batch_size}" if batch_size is not None else ""
-    what = what or _LOOP_STEPS.get(estimate.loop, f"a {estimate.loop} batch")
+    what = what or what_runs(estimate.loop)
     amounts = (
         f"the estimated peak of {what}{at}, {format_bytes(peak)} ({peak:,} B), is {{}} the "
         f"memory budget of {format_bytes(budget_bytes)} ({budget_bytes:,} B)"

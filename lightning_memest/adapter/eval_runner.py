@@ -23,9 +23,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
-from lightning_memest.engine.distributed import DDP, Strategy, wrap
+from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.events import Phase
 from lightning_memest.engine.fake import setattr_raw
+from lightning_memest.engine.inference_step import wrap_for_inference
 from lightning_memest.engine.step import StepListener
 
 __all__ = ["STEP_METHODS", "EvalRunner", "Loop"]
@@ -79,10 +80,7 @@ class EvalRunner:
         module.eval()  # as the loop does; the simulation restores the training flags afterwards
         for name in ("log", "log_dict"):
             setattr_raw(module, name, _no_log)
-        if strategy is not None and not isinstance(strategy, DDP):
-            # A sharded module gathers its parameters for the forward pass (FSDP2 under
-            # ModelParallelStrategy); DDP's wrapper does nothing for memory without gradients.
-            wrap(module, strategy, listener.on_communication)
+        wrap_for_inference(module, strategy, listener.on_communication)  # FSDP2 shards in place
         self._step: Callable[..., Any] = getattr(module, STEP_METHODS[loop])
 
     def run(self, batch: Any) -> object:

@@ -82,6 +82,13 @@ def _same_values(a: Any, b: Any) -> bool:
     return True
 
 
+def _own_tensors(trainer: pl.Trainer, module: pl.LightningModule, batch: Any) -> list[Tensor]:
+    """The module's tensors (plain tensor attributes too: a cache a module made in the first step is
+    resident in the second), its optimizers' state and the batch."""
+    state = [local_tensor(t) for optimizer in trainer.optimizers for t in optimizer_state_tensors(optimizer)]
+    return [*module_tensors(module), *state, *iter_tensors(batch)]
+
+
 def resident_besides(
     trainer: pl.Trainer, module: pl.LightningModule, batch: Any, own: Any = ()
 ) -> list[Tensor]:
@@ -89,12 +96,7 @@ def resident_besides(
     ``batch`` (and ``own``: tensors of the caller's): on CUDA, one meta tensor the size of the
     allocator's other bytes; on the CPU, the other live tensors."""
     device = trainer.strategy.root_device
-    known = [
-        *module_tensors(module),
-        *(local_tensor(t) for optimizer in trainer.optimizers for t in optimizer_state_tensors(optimizer)),
-        *iter_tensors(batch),
-        *iter_tensors(own),
-    ]
+    known = [*_own_tensors(trainer, module, batch), *iter_tensors(own)]
     if device.type == "cuda":
         mine = resident_bytes(t for t in known if t.device == device)
         other = torch.cuda.memory_allocated(device) - mine
@@ -103,18 +105,24 @@ def resident_besides(
 
 
 def resident_at_start(
-    trainer: pl.Trainer, module: pl.LightningModule, batch: Any, own: Any = ()
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    batch: Any,
+    own: Any = (),
+    *,
+    others: Sequence[Tensor] | None = None,
 ) -> list[Tensor]:
-    """What is resident at a batch's start, for the measured peak to start from: the module's tensors
-    (plain tensor attributes too: a cache a module made in the first step is resident in the second),
+    """What is resident at a batch's start, for the measured peak to start from: the module's tensors,
     the optimizers' state, the batch, and on the CPU every other live tensor (``own``, a caller's light
-    copy of a batch, aside)."""
-    state = [local_tensor(t) for optimizer in trainer.optimizers for t in optimizer_state_tensors(optimizer)]
-    mine = [*module_tensors(module), *state, *iter_tensors(batch)]
+    copy of a batch, aside). ``others``: those other live tensors where the caller has just found them
+    (:func:`resident_besides` on the CPU, with the same ``own``), so that they are not scanned twice."""
+    mine = _own_tensors(trainer, module, batch)
     device = trainer.strategy.root_device
     if device.type != "cpu":
         return mine
-    return [*mine, *live_tensors(device, besides=[*mine, *iter_tensors(own)])]
+    if others is None:
+        others = live_tensors(device, besides=[*mine, *iter_tensors(own)])
+    return [*mine, *others]
 
 
 class FitBatches:

@@ -40,18 +40,18 @@ from lightning_memest.adapter.loggers.scalars import estimate_scalars, in_loop, 
 from lightning_memest.adapter.loops import LoopSetup, loop_name, loop_setup
 from lightning_memest.adapter.ranks import max_over_ranks
 from lightning_memest.batches import batch_size_of
+from lightning_memest.budget import what_runs
 from lightning_memest.measure import StepProbe
 from lightning_memest.report import MeasuredStep, StepEstimate, format_bytes
 
-__all__ = ["LOOP_WHAT", "LoopChecks", "LoopStart"]
+__all__ = ["LoopChecks", "LoopStart", "loop_what"]
 
-#: What runs in each loop besides training, as the pre-check and the console name it.
-LOOP_WHAT = {
-    "sanity_check": "a validation batch of the sanity check",
-    "validate": "a validation batch",
-    "test": "a test batch",
-    "predict": "a predict batch",
-}
+
+def loop_what(name: str, estimate: StepEstimate) -> str:
+    """What runs in a loop besides training, as the pre-check and the console name it: the estimate's
+    step (``budget.what_runs``), and "of the sanity check" for the validation a fit runs first."""
+    words = what_runs(estimate.loop)
+    return f"{words} of the sanity check" if name == "sanity_check" else words
 
 
 class LoopStart:
@@ -135,7 +135,7 @@ class LoopChecks:
         size = batch_size_of(batch)
         if announce and trainer.is_global_zero:
             rank_zero_info(
-                f"MemEstimate: {LOOP_WHAT[name]} ({estimate.device}, {estimate.precision}): "
+                f"MemEstimate: {loop_what(name, estimate)} ({estimate.device}, {estimate.precision}): "
                 f"estimated peak {format_bytes(estimate.peak_bytes)} at batch size {size}"
             )
 
@@ -144,11 +144,15 @@ class LoopChecks:
 
         device = started.setup.device
         budget.act(
-            trainer, guard, estimate, lambda: budget.result(estimate, device, size, search, LOOP_WHAT[name])
+            trainer,
+            guard,
+            estimate,
+            lambda: budget.result(estimate, device, size, search, loop_what(name, estimate)),
         )
         if measure and not profiling:
             self._measuring = name
-            self._failure = attempt("measuring", lambda: self._measure(trainer, module, batch))[1]
+            residents = started.residents
+            self._failure = attempt("measuring", lambda: self._measure(trainer, module, batch, residents))[1]
 
     def on_batch_end(self, trainer: pl.Trainer, guard: Guard) -> None:
         """At a batch's end: the measured batch, if one was, compared and logged (every rank at the same
@@ -202,12 +206,15 @@ class LoopChecks:
         self.estimates[name] = estimate
         return LoopStart(name, setup, estimate, residents)
 
-    def _measure(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any) -> None:
+    def _measure(
+        self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, others: Sequence[Tensor]
+    ) -> None:
         if self._probe is not None:  # left open by a batch whose end never came
             self._probe.close()
             self._probe = None
         probe = StepProbe(trainer.strategy.root_device)
-        probe.start(resident_at_start(trainer, module, batch))
+        # The other live tensors the estimate has just found: no second scan (a full collection).
+        probe.start(resident_at_start(trainer, module, batch, others=others))
         self._probe = probe
 
     def _stop(self) -> tuple[int, int | None]:

@@ -24,9 +24,9 @@ from collections.abc import Callable
 from typing import Any, Literal, get_args
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-from lightning_memest.engine.distributed import DDP, wrap
+from lightning_memest.engine.distributed import DDP, Strategy, wrap
 from lightning_memest.engine.events import Phase
 from lightning_memest.engine.step import (
     RunnerFactory,
@@ -37,7 +37,7 @@ from lightning_memest.engine.step import (
     plain_runner,
 )
 
-__all__ = ["LOOPS", "InferenceRunner", "PlainLoop", "loop_runner"]
+__all__ = ["LOOPS", "InferenceRunner", "PlainLoop", "loop_runner", "wrap_for_inference"]
 
 #: What a plain model's batch does: a training step, a validation batch, a predict batch.
 PlainLoop = Literal["train", "validate", "predict"]
@@ -61,12 +61,8 @@ class InferenceRunner:
         self.listener = listener
         self.loop = loop
         self.device_type = next((t.device.type for t in (*model.parameters(), *model.buffers())), "cpu")
-        if config.strategy is not None and not isinstance(config.strategy, DDP):
-            # A sharded model gathers its parameters for the forward pass; DDP's wrapper does nothing
-            # for memory without gradients.
-            on_communication = listener.on_communication if listener is not None else None
-            model = wrap(model, config.strategy, on_communication)
-        self.model = model
+        on_communication = listener.on_communication if listener is not None else None
+        self.model = wrap_for_inference(model, config.strategy, on_communication)
         self.no_grad: Callable[[], contextlib.AbstractContextManager[object]] = (
             torch.inference_mode if loop == "predict" else torch.no_grad
         )
@@ -89,6 +85,17 @@ class InferenceRunner:
                 module.training = training
         self.steps_run += 1
         return out
+
+
+def wrap_for_inference(
+    model: nn.Module, strategy: Strategy | None, on_communication: Callable[[list[Tensor]], None] | None
+) -> nn.Module:
+    """``model`` as a batch without gradients runs it under ``strategy``: a sharded model (FSDP2)
+    gathers its parameters for the forward pass; DDP's wrapper does nothing for memory without
+    gradients, so a DDP model runs as it is."""
+    if strategy is None or isinstance(strategy, DDP):
+        return model
+    return wrap(model, strategy, on_communication)
 
 
 def loop_runner(loop: PlainLoop) -> RunnerFactory:
