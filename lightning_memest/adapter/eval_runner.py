@@ -61,7 +61,6 @@ class EvalRunner:
         step_context: Callable[[], contextlib.AbstractContextManager[object]],
         inference_mode: bool,
         dataloader_idx: int | None = None,
-        transferred: bool = True,
         keep_outputs: bool = False,
         strategy: Strategy | None = None,
     ) -> None:
@@ -73,7 +72,6 @@ class EvalRunner:
             torch.inference_mode if inference_mode else torch.no_grad
         )
         self.dataloader_idx = dataloader_idx
-        self.transferred = transferred
         self.keep_outputs = keep_outputs
         self.outputs: list[Any] = []
         self.steps_run = 0
@@ -84,13 +82,9 @@ class EvalRunner:
         self._step: Callable[..., Any] = getattr(module, STEP_METHODS[loop])
 
     def run(self, batch: Any) -> object:
-        module = self.module
         self.listener.on_phase(Phase.FORWARD, self.steps_run)
-        with self.no_grad():
-            if not self.transferred:
-                batch = module.on_after_batch_transfer(batch, self.dataloader_idx or 0)
-            with self.step_context():
-                output = self._step(*self._args(batch))
+        with self.no_grad(), self.step_context():
+            output = self._step(*self._args(batch))
         self.steps_run += 1
         if self.keep_outputs:
             self.outputs.append(output)  # the prediction loop's list
