@@ -41,12 +41,20 @@ def models(max_params: float, only: set[str] | None) -> list[tuple[str, str]]:
         for name in torchvision.models.list_models(module=module):
             if only is not None and name not in only:
                 continue
-            with torch.device("meta"):
-                params = sum(p.numel() for p in torchvision.models.get_model(name, weights=None).parameters())
+            params = _parameters(name)
             if params <= max_params:
                 size = "3,299,299" if name == "inception_v3" else shape
                 found.append((params, f"{module.__name__}:{name}", size))
     return [(spec, size) for _, spec, size in sorted(found)]
+
+
+def _parameters(name: str) -> int:
+    try:  # on the meta device: no memory, no init time
+        with torch.device("meta"):
+            model = torchvision.models.get_model(name, weights=None)
+    except NotImplementedError:  # builders that read a tensor's values (regnet's block widths)
+        model = torchvision.models.get_model(name, weights=None)
+    return sum(p.numel() for p in model.parameters())
 
 
 def _errors(est: Any, measured: tuple[int, ...]) -> dict[str, float]:
