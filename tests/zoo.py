@@ -966,6 +966,19 @@ def _ema_callback() -> Built:
     return Built(MLPClassifier(data), data, callbacks=[callbacks.EMAWeightAveraging(decay=0.999)])
 
 
+def _swa_callback() -> Built:
+    # The base class's default: an equal-weight (SWA) average of every step's weights, updated with
+    # foreach ops, buffers averaged too.
+    from lightning.pytorch import callbacks
+
+    if not hasattr(callbacks, "WeightAveraging"):
+        import pytest
+
+        pytest.skip("WeightAveraging is new in lightning 2.6")
+    data = Counting(Images(n=64))
+    return Built(MLPClassifier(data), data, callbacks=[callbacks.WeightAveraging()])
+
+
 CASES: tuple[ZooCase, ...] = (
     ZooCase("hf_llama_causal_lm", _llama(False), what="transformers Llama (GQA, SDPA), labels, AdamW+warmup"),
     ZooCase("hf_llama_act_ckpt", _llama(True), what="the same, activation_checkpointing_enable()"),
@@ -982,11 +995,6 @@ CASES: tuple[ZooCase, ...] = (
     ZooCase("ckpt_reentrant", _checkpoint_reentrant, what="checkpoint(use_reentrant=True) MLP blocks"),
     ZooCase("ckpt_non_reentrant", _checkpoint_non_reentrant, what="checkpoint(use_reentrant=False) attn"),
     ZooCase("streaming_iterable", _stream, what="IterableDataset from a live feed, 1-d CNN"),
-    ZooCase(
-        "lightning_ema_callback",
-        _ema_callback,
-        what="EMAWeightAveraging callback",
-        known_limit="other callbacks' batch hooks are not simulated: the EMA copy is counted (resident), "
-        "the temporaries of its update in on_train_batch_end are not",
-    ),
+    ZooCase("lightning_ema_callback", _ema_callback, what="EMAWeightAveraging callback"),
+    ZooCase("lightning_swa_callback", _swa_callback, max_steps=3, what="WeightAveraging (SWA) callback"),
 )

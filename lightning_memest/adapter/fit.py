@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from lightning_memest.accounting import account, capture_filter
 from lightning_memest.accounting.kernels.calibrate import calibrate as calibrate_kernels
 from lightning_memest.adapter.runner import LightningRunner
+from lightning_memest.adapter.weight_averaging import WeightAveragingMirror
 from lightning_memest.batches import batch_size_of, resize_batch
 from lightning_memest.engine.distributed import DDP, Strategy, fsdp_like
 from lightning_memest.engine.simulate import Simulation, simulate
@@ -61,6 +62,8 @@ class FitSetup:
     transferred: bool = False
     """Whether :attr:`batch` is as the step gets it (moved to the device, ``on_after_batch_transfer``
     applied: a batch from ``on_train_batch_start``), not as the dataloader yields it."""
+    averaging: WeightAveragingMirror | None = None
+    """The trainer's weight-averaging callbacks, whose update runs after each simulated batch."""
 
     def runner(self, module: nn.Module, config: StepConfig, listener: StepListener) -> LightningRunner:
         """The engine's runner factory: the fit loop's order of things, for ``module``."""
@@ -76,6 +79,7 @@ class FitSetup:
             step_context=self.step_context,
             strategy=config.strategy,
             transferred=self.transferred,
+            batch_end=self.averaging.on_batch_end if self.averaging else None,
         )
 
     def simulate(
@@ -91,17 +95,20 @@ class FitSetup:
         """Training batches of the module on fake tensors, as this fit runs them (``flops=False``
         records only what memory needs; ``calibrate`` records what calibration needs; ``next_batches``
         and ``residents`` as in ``engine.simulate``)."""
-        return simulate(
-            self.module,
-            batch,
-            self.config,
-            runner=self.runner,
-            device=self.device,
-            steps=steps,
-            capture=capture_filter(flops=flops, calibrate=calibrate),
-            next_batches=next_batches,
-            residents=residents,
-        )
+        averaging = self.averaging
+        with averaging.kept() if averaging else contextlib.nullcontext():
+            return simulate(
+                self.module,
+                batch,
+                self.config,
+                runner=self.runner,
+                device=self.device,
+                steps=steps,
+                capture=capture_filter(flops=flops, calibrate=calibrate),
+                next_batches=next_batches,
+                residents=residents,
+                companions=averaging.companions if averaging else (),
+            )
 
     def estimate(
         self,
@@ -166,6 +173,7 @@ def fit_setup(
         gradient_clip_val=trainer.gradient_clip_val,
         gradient_clip_algorithm=trainer.gradient_clip_algorithm,
         step_context=trainer.precision_plugin.train_step_context,
+        averaging=WeightAveragingMirror.of(trainer) or None,
     )
 
 

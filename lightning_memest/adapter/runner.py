@@ -10,8 +10,9 @@ the previous step are still alive during the next forward. Manual optimization r
 alone, which calls ``self.optimizers()``, ``self.manual_backward``, ``opt.step()`` itself.
 
 The module's own methods run (``training_step``, ``configure_optimizers``, ``optimizer_zero_grad``,
-``backward``, ``configure_gradient_clipping``, ``on_after_batch_transfer``), but no other callback's
-hooks, and the trainer's state is not touched: ``self.log``/``self.log_dict`` do nothing,
+``backward``, ``configure_gradient_clipping``, ``on_after_batch_transfer``); of other callbacks' hooks
+only what ``batch_end`` runs after each batch (the weight-averaging callbacks' update,
+``adapter.weight_averaging``). The trainer's state is not touched: ``self.log``/``self.log_dict`` do nothing,
 ``self.optimizers()``/``self.lr_schedulers()`` return the simulation's own optimizers and
 schedulers (built by the module's ``configure_optimizers`` on the fake parameters), and
 ``self.manual_backward``/``toggle_optimizer``/``untoggle_optimizer`` act on those. All of it is set as
@@ -53,6 +54,11 @@ def _loss_of(output: Any) -> Tensor | None:
     )
 
 
+BatchEnd = Callable[[pl.LightningModule, Any, Any, int, int], None]
+"""What runs after a batch (other callbacks' ``on_train_batch_end``): the module, the step's output,
+the batch, its index and the optimizer steps taken so far."""
+
+
 class LightningRunner:
     """Runs training batches of ``module`` as the fit loop would, telling ``listener`` the phases."""
 
@@ -68,6 +74,7 @@ class LightningRunner:
         step_context: Callable[[], contextlib.AbstractContextManager[object]] | None = None,
         strategy: Strategy | None = None,
         transferred: bool = False,
+        batch_end: BatchEnd | None = None,
     ) -> None:
         self.module = module
         self.listener = listener
@@ -80,6 +87,8 @@ class LightningRunner:
         self.step_context = step_context or (lambda: autocast(self.device_type, self.precision))
         self.transferred = transferred  # the batch comes as the step gets it: transfer hooks applied
         self.steps_run = 0
+        self.optimizer_steps = 0  # the trainer's global_step counts these
+        self.batch_end = batch_end
         self._current_phase = Phase.FORWARD
         self._toggled: dict[nn.Parameter, bool] = {}
         self._install_module_api()
@@ -172,6 +181,7 @@ class LightningRunner:
                     optimizer.step = watched_step  # type: ignore[method-assign]
                 self.scaler.update()
             self.listener.on_optimizer_state(optimizer_state_tensors(optimizer))
+            self.optimizer_steps += 1
             self._phase(Phase.FORWARD)
             return result
 
@@ -210,6 +220,9 @@ class LightningRunner:
         else:
             output = self._automatic(batch, batch_idx)
         self.steps_run += 1
+        if self.batch_end is not None:
+            self._phase(Phase.OPTIMIZER)  # after the step, as other callbacks' on_train_batch_end
+            self.batch_end(module, output, batch, batch_idx, self.optimizer_steps)
         return output
 
     def _automatic(self, batch: Any, batch_idx: int) -> Tensor | None:
@@ -237,6 +250,7 @@ class LightningRunner:
         else:
             optimizer.step()
         self.listener.on_optimizer_state(optimizer_state_tensors(optimizer))
+        self.optimizer_steps += 1
         return loss
 
 

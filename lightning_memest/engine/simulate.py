@@ -28,7 +28,7 @@ from lightning_memest.engine.distributed import (
     untracked_sharding_propagation,
 )
 from lightning_memest.engine.events import DataDependent, Event, OpEvent, Role
-from lightning_memest.engine.fake import FakeConverter, fake_module, resident_tensors
+from lightning_memest.engine.fake import FakeConverter, fake_module, local_tensor, resident_tensors
 from lightning_memest.engine.hooks import module_scopes, saved_tensor_tags, storage_resizes
 from lightning_memest.engine.real_path import real_path
 from lightning_memest.engine.step import (
@@ -107,6 +107,7 @@ def simulate(
     next_batches: Sequence[Any] = (),
     residents: Sequence[Tensor] = (),
     kept: Sequence[tuple[Tensor, Role]] = (),
+    companions: Sequence[nn.Module] = (),
 ) -> Simulation:
     """Run ``steps`` training steps of ``model`` on fake tensors of ``device``; record every event.
 
@@ -126,7 +127,11 @@ def simulate(
     states, a dataset held in memory; real, fake or meta (of the right size): they count as
     ``Role.OTHER``. ``kept`` are tensors of the training state that stay alive through a step that
     does not make them, each with its role: the gradients and the optimizer's state through a
-    validation batch inside ``fit``.
+    validation batch inside ``fit``. ``companions`` are modules beside ``model`` whose state the step
+    updates -- the averaged copy of the weights a callback updates after each optimizer step (see
+    ``adapter.weight_averaging``): faked for the simulation as ``model`` is (and left as they were),
+    in their own dtype, resident as ``Role.OTHER`` in place of their real tensors among ``residents``,
+    the values of their small integer tensors known (a counter decides the first update).
 
     Example:
         >>> import torch
@@ -155,17 +160,24 @@ def simulate(
         # crashed the process (a segfault no warning can catch). The estimate is of eager memory.
         stack.enter_context(torch._dynamo.config.patch(disable=True))
         stack.enter_context(fake_module(model, converter))
+        companion_reals = [t for c in companions for _, t, _ in resident_tensors(c)]
+        residents = _besides(residents, companion_reals)
+        plain = FakeConverter(mode, target, None)  # *-true converts the model, not a callback's copy
+        for companion in companions:
+            stack.enter_context(fake_module(companion, plain))
         batches = [batch, *next_batches]
         fakes = [converter.batch(b) for b in batches]
         fake_batch = fakes[0]
         # Libraries take the real eager run's code path: see engine.real_path.
         known = [(converter.tensor(t), t) for b in batches for t in iter_tensors(b)]
+        known += [(plain.tensor(t), t) for t in companion_reals]
         values = stack.enter_context(
             real_path(mode, known, cpu_allocator=target.type == "cpu" and what_if is None)
         )
         for t, role, path in _residents(model, fake_batch):
             tracker.add_resident(t, role, path)
-        for t in residents:
+        companion_fakes = [t for c in companions for _, t, _ in resident_tensors(c)]
+        for t in [*residents, *companion_fakes]:
             tracker.add_resident(t, Role.OTHER, "")
         for t, role in kept:
             tracker.add_resident(t, role, "")
@@ -183,7 +195,8 @@ def simulate(
             step = runner(model, config, tracker)
             if strategy is not None:
                 # FSDP replaced the parameters by their shards: those are what this rank holds.
-                others = [(t, Role.OTHER, "") for t in residents] + [(t, role, "") for t, role in kept]
+                others = [(t, Role.OTHER, "") for t in [*residents, *companion_fakes]]
+                others += [(t, role, "") for t, role in kept]
                 tracker.settle_residents([*_residents(model, fake_batch), *others])
             current = fake_batch
             for i in range(steps):
@@ -300,6 +313,19 @@ def _residents(model: nn.Module, batch: Any) -> list[tuple[Tensor, Role, str]]:
     ]
     found.extend((t, Role.INPUT, "") for t in iter_tensors(batch))
     return found
+
+
+def _besides(residents: Sequence[Tensor], own: Sequence[Tensor]) -> list[Tensor]:
+    """``residents`` but those sharing a storage with ``own`` (the companions' real tensors, counted
+    through their fake mirrors instead)."""
+    mine = {_real_storage(t) for t in own} - {None}
+    return [t for t in residents if _real_storage(t) not in mine]
+
+
+def _real_storage(t: Tensor) -> int | None:
+    if t.device.type == "meta" or isinstance(t, FakeTensor):
+        return None
+    return int(local_tensor(t).untyped_storage().data_ptr())
 
 
 def _last_op(events: Sequence[Event]) -> str | None:
