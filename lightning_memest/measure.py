@@ -63,6 +63,7 @@ from lightning_memest.report import format_bytes
 
 __all__ = [
     "STEP_LABEL",
+    "LiveTensorScan",
     "Measurement",
     "StepProbe",
     "cpu_step_peaks",
@@ -118,7 +119,7 @@ def module_tensors(model: nn.Module) -> Iterator[Tensor]:
             yield local_tensor(p.grad)
 
 
-def live_tensors(device: torch.device, *, besides: Iterable[Tensor] = ()) -> list[Tensor]:
+def live_tensors(device: torch.device, *, besides: Iterable[Tensor] = (), full: bool = True) -> list[Tensor]:
     """Every tensor alive in this process on ``device`` (a scan of the garbage collector's objects, after
     a collection), one per storage, but those sharing a storage with ``besides``: the memory that
     "simply sits there" -- another callback's copy of the weights, metric states, a dataset held in
@@ -130,8 +131,9 @@ def live_tensors(device: torch.device, *, besides: Iterable[Tensor] = ()) -> lis
     True
     """
     # A full collection (a quarter of a second with transformers loaded): a young one leaves an earlier
-    # fit's tensors in unreachable cycles counted (a sanity check +25 %).
-    gc.collect()
+    # fit's tensors in unreachable cycles counted (a sanity check +25 %). ``full=False``: a young one,
+    # where a full one ran moments ago in the same trainer call (see ``LiveTensorScan``).
+    gc.collect() if full else gc.collect(1)
     seen = {_storage_key(t) for t in besides if t.device.type != "meta"}
     found: list[Tensor] = []
     with warnings.catch_warnings():  # isinstance on some deprecated objects warns (torch.distributed's)
@@ -151,6 +153,28 @@ def live_tensors(device: torch.device, *, besides: Iterable[Tensor] = ()) -> lis
         seen.add(key)
         found.append(obj)
     return found
+
+
+class LiveTensorScan:
+    """:func:`live_tensors` within one trainer call (a ``fit``, a ``validate``, ...): the first scan after
+    a full collection, which clears what earlier calls left in unreachable cycles; the later ones (the
+    training batch after the sanity check, the validation after an epoch) after a young collection,
+    the full one's quarter of a second saved. Garbage this call made that reached the old generation
+    before it died stays counted until Python collects it.
+
+    >>> scan = LiveTensorScan()
+    >>> kept = torch.ones(1000)
+    >>> first, later = scan(torch.device("cpu")), scan(torch.device("cpu"))  # full, then young
+    >>> len(first) == len(later)
+    True
+    """
+
+    def __init__(self) -> None:
+        self.collected = False
+
+    def __call__(self, device: torch.device, *, besides: Iterable[Tensor] = ()) -> list[Tensor]:
+        full, self.collected = not self.collected, True
+        return live_tensors(device, besides=besides, full=full)
 
 
 def _storage_key(t: Tensor) -> tuple[int, int]:

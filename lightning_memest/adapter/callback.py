@@ -41,7 +41,7 @@ from lightning_memest.adapter.summary import (
 )
 from lightning_memest.batches import batch_size_of, iter_tensors
 from lightning_memest.budget import PrecheckResult
-from lightning_memest.measure import StepProbe
+from lightning_memest.measure import LiveTensorScan, StepProbe
 from lightning_memest.report import MeasuredStep, StepEstimate
 
 __all__ = ["CHECKED_STEPS", "MeasuredStep", "MemEstimate"]
@@ -185,6 +185,7 @@ class MemEstimate(ModelSummary):
         # A new fit: nothing of an earlier one carries over.
         self.estimate, self.estimates, self.measured, self.setup_seconds = None, {}, [], None
         self._batches = FitBatches(self.calibrate)
+        self._batches.scan = self._loops.scan  # this call's (setup)
         self._summarized, self._trying, self._guard = False, True, Guard()
         self._close_probe()  # an earlier fit that ended inside its measured steps
         self._steps_started, self._measure_failure = 0, None
@@ -252,6 +253,8 @@ class MemEstimate(ModelSummary):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # One scan for other live tensors per trainer call: a full collection at its first use only.
+        self._loops.scan = LiveTensorScan()
         # One summary table, this one: a ModelSummary or RichModelSummary passed beside it would print
         # a second (without the estimate); it is silenced for the fit, and its style is kept.
         if stage == "fit":

@@ -34,7 +34,7 @@ from lightning_memest.batches import iter_tensors, map_tensors
 from lightning_memest.engine.fake import local_tensor
 from lightning_memest.engine.real_path import VALUE_LIMIT
 from lightning_memest.engine.step import optimizer_state_tensors
-from lightning_memest.measure import live_tensors, module_tensors, resident_bytes
+from lightning_memest.measure import LiveTensorScan, live_tensors, module_tensors, resident_bytes
 from lightning_memest.report import StepEstimate
 
 __all__ = ["FitBatches", "batch_signature", "light_copy", "resident_at_start", "resident_besides"]
@@ -90,18 +90,24 @@ def _own_tensors(trainer: pl.Trainer, module: pl.LightningModule, batch: Any) ->
 
 
 def resident_besides(
-    trainer: pl.Trainer, module: pl.LightningModule, batch: Any, own: Any = ()
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    batch: Any,
+    own: Any = (),
+    *,
+    scan: LiveTensorScan | None = None,
 ) -> list[Tensor]:
     """What lives on the training device besides the module's tensors, its optimizers' state and
     ``batch`` (and ``own``: tensors of the caller's): on CUDA, one meta tensor the size of the
-    allocator's other bytes; on the CPU, the other live tensors."""
+    allocator's other bytes; on the CPU, the other live tensors (found by ``scan``, the trainer call's
+    scan, or else by :func:`live_tensors` after a full collection)."""
     device = trainer.strategy.root_device
     known = [*_own_tensors(trainer, module, batch), *iter_tensors(own)]
     if device.type == "cuda":
         mine = resident_bytes(t for t in known if t.device == device)
         other = torch.cuda.memory_allocated(device) - mine
         return [torch.empty(other, dtype=torch.uint8, device="meta")] if other > 0 else []
-    return live_tensors(device, besides=known)
+    return (scan or live_tensors)(device, besides=known)
 
 
 def resident_at_start(
@@ -130,6 +136,8 @@ class FitBatches:
 
     def __init__(self, calibrate: bool) -> None:
         self.calibrate = calibrate
+        self.scan: LiveTensorScan | None = None
+        """The trainer call's scan for other live tensors (the callback's, set at ``setup``)."""
         self.first: Any = None
         """The first batch's light copy (:func:`light_copy`), once estimated."""
         self.reads_values = False
@@ -157,7 +165,7 @@ class FitBatches:
         """Steps 1 and 2 on ``batch``: the batch in hand at the first ``on_train_batch_start``, or one
         the user gave (``given``: as the dataloader would yield it)."""
         fit = self._fit(trainer, module, batch, given)
-        residents = resident_besides(trainer, module, batch)
+        residents = resident_besides(trainer, module, batch, scan=self.scan)
         estimate = fit.estimate(steps=2, calibrate=self._calibration(measuring), residents=residents)
         self.first = light_copy(batch)
         self.reads_values = estimate.reads_values
@@ -177,7 +185,7 @@ class FitBatches:
         ):
             return None
         fit = self._fit(trainer, module, first, False)  # (a copy of the batch in hand: transferred)
-        residents = resident_besides(trainer, module, batch, own=first)
+        residents = resident_besides(trainer, module, batch, own=first, scan=self.scan)
         estimate = fit.estimate(
             steps=2, calibrate=self._calibration(measuring), next_batches=[batch], residents=residents
         )
@@ -199,9 +207,8 @@ class FitBatches:
         ):
             return None
         fit = self._fit(trainer, module, batch, False)
-        estimate = fit.estimate(
-            steps=2, calibrate=self._calibration(False), residents=resident_besides(trainer, module, batch)
-        )
+        residents = resident_besides(trainer, module, batch, scan=self.scan)
+        estimate = fit.estimate(steps=2, calibrate=self._calibration(False), residents=residents)
         self._note(batch, estimate)
         return estimate
 

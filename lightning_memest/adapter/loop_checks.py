@@ -41,7 +41,7 @@ from lightning_memest.adapter.loops import LoopSetup, loop_name, loop_setup
 from lightning_memest.adapter.ranks import max_over_ranks
 from lightning_memest.batches import batch_size_of
 from lightning_memest.budget import what_runs
-from lightning_memest.measure import StepProbe
+from lightning_memest.measure import LiveTensorScan, StepProbe
 from lightning_memest.report import MeasuredStep, StepEstimate, format_bytes
 
 __all__ = ["LoopChecks", "LoopStart", "loop_what"]
@@ -73,6 +73,8 @@ class LoopChecks:
 
     def __init__(self, calibrate: bool) -> None:
         self.calibrate = calibrate
+        self.scan: LiveTensorScan | None = None
+        """The trainer call's scan for other live tensors (the callback's, set at ``setup``)."""
         self.estimates: dict[str, StepEstimate] = {}
         """Each loop's first-batch estimate, by loop name."""
         self.measured: dict[str, MeasuredStep] = {}
@@ -199,7 +201,8 @@ class LoopChecks:
         calibrate: bool | Literal["cached"] = False
         if self.calibrate:
             calibrate = "cached" if profiling else True
-        residents = resident_besides(trainer, module, batch)  # a scan of every live tensor: once
+        # A scan of every live tensor, once (the trainer call's: a full collection only at its first).
+        residents = resident_besides(trainer, module, batch, scan=self.scan)
         estimate = setup.estimate(calibrate=calibrate, residents=residents)
         if not estimate.peaks:
             return None  # the step ran no tensor op (it only logs, say): nothing to estimate or check
