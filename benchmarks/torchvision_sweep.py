@@ -1,7 +1,8 @@
 """Estimate vs measurement over every torchvision classification and video model, on CPU.
 
 Each model runs in its own process, one at a time: batch 2, Adam, 32-true, 3x224x224 images
-(inception_v3 3x299x299; video models 3x8x112x112 clips), built with ``weights=None``, estimated and
+(inception_v3 3x299x299; video models 3x8x112x112 clips, or the smallest their weights accept: s3d
+3x14x224x224), built with ``weights=None``, estimated and
 then measured in real steps (peaks from the CPU allocator's events), as ``memest compare`` does. With
 ``--calibrate`` the same measurement also checks an estimate with the kernels calibrated on this machine
 (from an empty calibration cache: each model pays for its own calibration, as on a new machine), beside
@@ -43,9 +44,22 @@ def models(max_params: float, only: set[str] | None) -> list[tuple[str, str]]:
                 continue
             params = _parameters(name)
             if params <= max_params:
-                size = "3,299,299" if name == "inception_v3" else shape
+                size = "3,299,299" if name == "inception_v3" else _at_least_minimum(name, shape)
                 found.append((params, f"{module.__name__}:{name}", size))
     return [(spec, size) for _, spec, size in sorted(found)]
+
+
+def _at_least_minimum(name: str, shape: str) -> str:
+    """``shape``, grown to the smallest input the model's published weights accept (s3d: 14 frames of
+    224x224; with a smaller clip its last pooling has nothing to pool)."""
+    weights = next(iter(torchvision.models.get_model_weights(name)), None)
+    meta = weights.meta if weights is not None else {}
+    dims = [int(d) for d in shape.split(",")]
+    height = max(dims[-1], *meta.get("min_size", (0, 0)))
+    dims[-2:] = [height, height]
+    if len(dims) == 4:
+        dims[1] = max(dims[1], meta.get("min_temporal_size") or 0)
+    return ",".join(str(d) for d in dims)
 
 
 def _parameters(name: str) -> int:
