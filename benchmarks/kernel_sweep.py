@@ -411,7 +411,7 @@ def measure(calls: list[tuple[OpCall, tuple[bool, ...]]]) -> list[KernelMemory |
                 hand = kernel_memory(call)
                 guard.note(call, hand, measured=False)
             del args, kwargs
-    windows = window_figures(prof.allocator_events(), _WINDOW, len(calls))
+    windows = window_figures(prof.timeline(), _WINDOW, len(calls))
     results: list[KernelMemory | str | None] = []
     for (call, aliased), outcome, w in zip(calls, outcomes, windows, strict=True):
         if isinstance(outcome, str):

@@ -2,11 +2,18 @@
 (``measure.py``) and the CPU calibration of kernels (``accounting/kernels/calibrate.py``).
 
 PyTorch's CPU allocator reports every allocation and free to a profiler running with
-``profile_memory=True``. The ``"[memory]"`` events of ``prof.profiler.kineto_results.events()``, sorted
-by start time, summed in order (``nbytes`` is negative on a free), give the bytes the allocator holds
-above what existed before profiling. Work to measure runs inside ``record_function(label)`` windows;
+``profile_memory=True``, with the block's address (the allocation events of the profile's event tree,
+:meth:`CpuMemoryProfile.timeline`). Summed in time order they give the bytes the allocator holds above
+what existed before profiling. Work to measure runs inside ``record_function(label)`` windows;
 :func:`window_figures` reads, for each window, the running sum at its start, its highest point inside
 and its value at the end. Cyclic garbage collection stays off while profiling (:func:`quiet_gc`).
+
+A free counts only where the profile saw the block allocated, or where the caller named it resident
+(counted in its baseline). The CPU allocator keeps the size of every block allocated while any
+profiler ran, and forgets it only when the block is freed while a profiler runs: a block freed between
+profiles leaves its size behind, and a later, unrelated block at the same address is then reported
+freed with that stale size -- measured: a 4-byte free before the first step, one run in three, after
+other profiled fits in the process.
 
 Example:
     >>> import torch
@@ -16,7 +23,7 @@ Example:
     ...         kept = torch.empty(1024)       # 4 KiB kept
     ...         moment = torch.empty(2048)     # 8 KiB held a moment
     ...         del moment
-    >>> w = window_figures(prof.allocator_events(), "work_", 1)[0]
+    >>> w = window_figures(prof.timeline(), "work_", 1)[0]
     >>> w.peak_rise, w.end - w.start
     (12288, 4096)
 """
@@ -27,7 +34,7 @@ import gc
 import os
 import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +42,18 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-__all__ = ["CpuMemoryProfile", "Window", "quiet_gc", "window_figures"]
+__all__ = ["AllocatorTimeline", "CpuMemoryProfile", "Window", "quiet_gc", "window_figures"]
+
+
+@dataclass(frozen=True)
+class AllocatorTimeline:
+    """What a finished profile says of the CPU allocator: each allocation (positive bytes) or free
+    (negative) with the block's address, in time order, and each ``record_function`` window's span."""
+
+    events: tuple[tuple[int, int, int], ...]
+    """``(time_ns, bytes, address)``, in time order."""
+    windows: Mapping[str, tuple[int, int]]
+    """``name: (start_ns, end_ns)`` of each ``record_function`` window."""
 
 
 class CpuMemoryProfile(profile):
@@ -60,6 +78,25 @@ class CpuMemoryProfile(profile):
     def __exit__(self, *exc: object) -> None:
         with _quiet_stderr():
             super().__exit__(*exc)  # type: ignore[no-untyped-call]
+
+    def timeline(self) -> AllocatorTimeline:
+        """The finished profile's allocator events, with addresses, and its windows."""
+        assert self.profiler is not None and self.profiler.kineto_results is not None
+        events: list[tuple[int, int, int]] = []
+        windows: dict[str, tuple[int, int]] = {}
+        stack = list(self.profiler.kineto_results.experimental_event_tree())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children)
+            fields = node.extra_fields
+            if isinstance(fields, torch._C._profiler._ExtraFields_Allocation):
+                if fields.device.type == "cpu":
+                    events.append((node.start_time_ns, fields.alloc_size, fields.ptr))
+            elif isinstance(fields, torch._C._profiler._ExtraFields_TorchOp):
+                span = (node.start_time_ns, node.end_time_ns)
+                windows[node.name] = min(windows.get(node.name, span), span)
+        events.sort(key=lambda e: e[0])
+        return AllocatorTimeline(tuple(events), windows)
 
     def allocator_events(self) -> list[Any]:
         """Every event of the finished profile, the ``[memory]`` ones among them (kineto's list;
@@ -126,32 +163,41 @@ class Window:
         return self.peak - self.start
 
 
-def window_figures(events: Iterable[Any], label: str, count: int) -> list[Window]:
-    """The :class:`Window` of each of the ``count`` windows ``f"{label}{i}"``, in ``i`` order, from a
-    profile's kineto events. The windows must not overlap; events between them carry over."""
-    all_events = list(events)
-    spans: dict[int, tuple[int, int]] = {}
-    for e in all_events:
-        name = e.name()
-        if name.startswith(label) and name[len(label) :].isdigit():
-            spans[int(name[len(label) :])] = (e.start_ns(), e.start_ns() + e.duration_ns())
-    missing = [i for i in range(count) if i not in spans]
+def window_figures(
+    timeline: AllocatorTimeline, label: str, count: int, resident: Mapping[int, int] | None = None
+) -> list[Window]:
+    """The :class:`Window` of each of the ``count`` windows ``f"{label}{i}"``, in ``i`` order. The
+    windows must not overlap; events between them carry over. A free counts where the profile saw the
+    block allocated (at the size it was allocated with), or where ``resident`` (``address: bytes`` of
+    blocks that existed before the profile, counted by the caller) names it; any other free is of a
+    block the running sum never held (see the module docstring) and counts nothing."""
+    missing = [i for i in range(count) if f"{label}{i}" not in timeline.windows]
     if missing:
         raise RuntimeError(f"the profiler recorded no window {label}{missing[0]} ({len(missing)} missing)")
-    memory = sorted(
-        ((e.start_ns(), e.nbytes()) for e in all_events if e.name() == "[memory]"), key=lambda x: x[0]
-    )
+    held_before = dict(resident or {})
+    allocated: dict[int, int] = {}
+
+    def change(nbytes: int, address: int) -> int:
+        if nbytes > 0:
+            allocated[address] = nbytes
+            return nbytes
+        size = allocated.pop(address, None)
+        if size is None:
+            size = held_before.pop(address, 0)
+        return -size
+
+    memory = timeline.events
     windows: list[Window] = []
     held = 0
     k = 0
     for i in range(count):
-        start, end = spans[i]
+        start, end = timeline.windows[f"{label}{i}"]
         while k < len(memory) and memory[k][0] < start:
-            held += memory[k][1]
+            held += change(memory[k][1], memory[k][2])
             k += 1
         at_start = peak = held
         while k < len(memory) and memory[k][0] <= end:
-            held += memory[k][1]
+            held += change(memory[k][1], memory[k][2])
             peak = max(peak, held)
             k += 1
         windows.append(Window(at_start, peak, held))

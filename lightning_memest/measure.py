@@ -45,7 +45,7 @@ import contextlib
 import gc
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -54,7 +54,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.profiler import record_function
 
-from lightning_memest.allocator_events import CpuMemoryProfile, quiet_gc, window_figures
+from lightning_memest.allocator_events import AllocatorTimeline, CpuMemoryProfile, quiet_gc, window_figures
 from lightning_memest.batches import iter_tensors
 from lightning_memest.engine.fake import local_tensor, resident_tensors
 from lightning_memest.engine.inference_step import PlainLoop, loop_runner
@@ -70,6 +70,7 @@ __all__ = [
     "live_tensors",
     "measure_step",
     "module_tensors",
+    "resident_blocks",
     "resident_bytes",
 ]
 
@@ -207,16 +208,39 @@ def resident_bytes(tensors: Iterable[Tensor]) -> int:
     return total
 
 
-def cpu_step_peaks(
-    events: Iterable[Any], steps: int, baseline: int = 0, carry: bool = True
-) -> tuple[int, ...]:
-    """Per-step peaks from a CPU profile's kineto events (``prof.profiler.kineto_results.events()``).
+def resident_blocks(tensors: Iterable[Tensor]) -> dict[int, int]:
+    """``address: bytes`` of the CPU storages behind ``tensors``: the resident blocks whose frees a
+    profile's running sum counts (``allocator_events.window_figures``).
 
-    ``baseline`` is the bytes resident before profiling started. With ``carry`` (the default) a step's
-    peak counts what earlier steps left behind; without, each step's peak is the rise of the running
-    sum inside its window (for callers that know each step's resident bytes themselves).
+    >>> w = torch.zeros(10)
+    >>> resident_blocks([w, w[2:]]) == {w.untyped_storage().data_ptr(): 40}
+    True
     """
-    windows = window_figures(events, STEP_LABEL, steps)
+    blocks: dict[int, int] = {}
+    for t in tensors:
+        if t.device.type != "cpu" or isinstance(t, FakeTensor):
+            continue
+        storage = local_tensor(t).untyped_storage()
+        if storage.data_ptr():
+            blocks[storage.data_ptr()] = storage.nbytes()
+    return blocks
+
+
+def cpu_step_peaks(
+    timeline: AllocatorTimeline,
+    steps: int,
+    baseline: int = 0,
+    carry: bool = True,
+    resident: Mapping[int, int] | None = None,
+) -> tuple[int, ...]:
+    """Per-step peaks from a CPU profile's allocator timeline (``CpuMemoryProfile.timeline()``).
+
+    ``baseline`` is the bytes resident before profiling started; ``resident`` their blocks
+    (``resident_blocks``), whose frees count. With ``carry`` (the default) a step's peak counts what
+    earlier steps left behind; without, each step's peak is the rise of the running sum inside its
+    window (for callers that know each step's resident bytes themselves).
+    """
+    windows = window_figures(timeline, STEP_LABEL, steps, resident)
     return tuple(baseline + (w.peak if carry else w.peak_rise) for w in windows)
 
 
@@ -261,7 +285,8 @@ def measure_step(
         return _measure_cuda(runner(built if built is not None else model()), batch, steps, device)
     if device.type != "cpu":
         raise ValueError(f"measure_step measures CPU or CUDA models; this one is on {device}")
-    baseline = resident_bytes([*(module_tensors(built) if built is not None else ()), *iter_tensors(batch)])
+    before = [*(module_tensors(built) if built is not None else ()), *iter_tensors(batch)]
+    baseline, resident = resident_bytes(before), resident_blocks(before)
     seconds: list[float] = []
     with quiet_gc(), CpuMemoryProfile() as prof:
         # Built in the profile: what the constructors keep (optimizer state some optimizers create
@@ -274,7 +299,7 @@ def measure_step(
             seconds.append(time.perf_counter() - t0)
             # The loss is dropped between steps: its free falls in no step's window.
             del loss
-    peaks = cpu_step_peaks(prof.allocator_events(), steps, baseline)
+    peaks = cpu_step_peaks(prof.timeline(), steps, baseline, resident=resident)
     return Measurement(peaks, None, _mean_seconds(seconds), "cpu")
 
 
@@ -334,6 +359,7 @@ class StepProbe:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._baselines: list[int] = []
+        self._resident: dict[int, int] = {}  # the blocks of what was resident at each step's start
         self._cuda_peaks: list[tuple[int, int | None]] = []
         self._profiler: CpuMemoryProfile | None = None
         self._window: record_function | None = None
@@ -351,7 +377,9 @@ class StepProbe:
                 profiler = CpuMemoryProfile()
                 profiler.__enter__()
                 self._profiler = profiler
-            self._baselines.append(resident_bytes(resident))
+            tensors = list(resident)
+            self._baselines.append(resident_bytes(tensors))
+            self._resident.update(resident_blocks(tensors))
             window = record_function(f"{STEP_LABEL}{len(self._baselines) - 1}")
             window.__enter__()  # type: ignore[no-untyped-call]
             self._window = window
@@ -400,5 +428,5 @@ class StepProbe:
         if profiler is None:
             return []
         steps = len(self._baselines)
-        rises = cpu_step_peaks(profiler.allocator_events(), steps, baseline=0, carry=False)
+        rises = cpu_step_peaks(profiler.timeline(), steps, baseline=0, carry=False, resident=self._resident)
         return [(base + rise, None) for base, rise in zip(self._baselines, rises, strict=True)]

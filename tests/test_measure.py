@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from torch import nn
 
+from lightning_memest.allocator_events import AllocatorTimeline, CpuMemoryProfile
 from lightning_memest.engine.step import StepConfig
 from lightning_memest.measure import STEP_LABEL, cpu_step_peaks, measure_step, resident_bytes
 
@@ -72,40 +71,45 @@ def test_plain_tensor_attributes_are_resident() -> None:
     assert cached.first_step - plain.first_step >= 4000
 
 
-@dataclass
-class _Event:
-    label: str
-    start: int
-    duration: int = 0
-    size: int = 0
-
-    def name(self) -> str:
-        return self.label
-
-    def start_ns(self) -> int:
-        return self.start
-
-    def duration_ns(self) -> int:
-        return self.duration
-
-    def nbytes(self) -> int:
-        return self.size
-
-
 def test_step_windows_carry_the_running_sum() -> None:
-    events = [
-        _Event(f"{STEP_LABEL}0", 10, 10),
-        _Event("[memory]", 11, size=100),
-        _Event("[memory]", 12, size=50),
-        _Event("[memory]", 13, size=-50),
-        _Event("[memory]", 25, size=1000),  # between the steps: in no window, carried over
-        _Event("[memory]", 26, size=-1000),
-        _Event(f"{STEP_LABEL}1", 30, 10),
-        _Event("[memory]", 31, size=-100),
-        _Event("[memory]", 32, size=20),
-    ]
+    windows = {f"{STEP_LABEL}0": (10, 20), f"{STEP_LABEL}1": (30, 40)}
+    events = (
+        (11, 100, 0xA),
+        (12, 50, 0xB),
+        (13, -50, 0xB),
+        (25, 1000, 0xC),  # between the steps: in no window, carried over
+        (26, -1000, 0xC),
+        (31, -100, 0xA),
+        (32, 20, 0xD),
+    )
     # step 0: 100 + 50 at its highest; step 1 starts holding 100 (its peak), then drops to 20.
-    assert cpu_step_peaks(reversed(events), 2, baseline=7) == (157, 107)
+    assert cpu_step_peaks(AllocatorTimeline(events, windows), 2, baseline=7) == (157, 107)
+
+
+def test_frees_count_only_for_blocks_held() -> None:
+    # A block the profile never saw allocated and the caller did not name resident is reported freed
+    # with a stale size where an earlier profile saw a block at that address: it counts nothing. A
+    # resident block's free counts, at its real size.
+    windows = {f"{STEP_LABEL}0": (10, 20)}
+    events = ((9, -4, 0xE), (11, 100, 0xA), (12, -64, 0xF), (13, 30, 0xB))
+    timeline = AllocatorTimeline(events, windows)
+    assert cpu_step_peaks(timeline, 1, baseline=64) == (194,)
+    assert cpu_step_peaks(timeline, 1, baseline=64, resident={0xF: 64}) == (164,)
+
+
+def test_a_stale_free_before_the_steps_counts_nothing() -> None:
+    # Other profiled work in the process first (its blocks freed between profiles leave their sizes
+    # behind in the CPU allocator), then the hand-computed step: exact every time.
+    for _ in range(20):
+        with CpuMemoryProfile():
+            kept = [torch.ones(1) for _ in range(50)]
+        del kept
+        model, x = nn.Linear(8, 4), torch.randn(2, 8)
+        plain = measure_step(model, x, StepConfig(optimizer=_sgd), steps=1)
+        resident = (8 * 4 + 4 + 2 * 8) * 4
+        # As in the test above: the loss and its gradient, the weight's gradient being written (4x8)
+        # and mm's copy of the expanded output gradient (2x4) at the peak inside backward.
+        assert plain.peak_bytes == (resident + 4 + 4 + 4 * 8 * 4 + 2 * 4 * 4,)
 
 
 def test_measuring_writes_nothing_to_the_console(capfd: pytest.CaptureFixture[str]) -> None:

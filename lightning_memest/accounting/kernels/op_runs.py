@@ -204,7 +204,7 @@ def measure_cpu(calls: Sequence[OpCall], guard: Guard) -> list[KernelMemory | Ba
                 outcomes.append(failure)
                 guard.note(call, hand_model(call), measured=False)
             del args, kwargs
-    windows = window_figures(prof.allocator_events(), _WINDOW, len(calls))
+    windows = window_figures(prof.timeline(), _WINDOW, len(calls))
     results: list[KernelMemory | BaseException | None] = []
     for call, outcome, w in zip(calls, outcomes, windows, strict=True):
         if isinstance(outcome, BaseException):
