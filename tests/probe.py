@@ -146,6 +146,21 @@ def _batch_tensors(batch: Any) -> Iterator[Tensor]:
             yield from _batch_tensors(value)
 
 
+def _allocations(prof: profile) -> list[tuple[int, int, int]]:
+    """(time, bytes, address) of each CPU allocation (bytes > 0) and free of the finished profile, in
+    time order (its event tree: the kineto event list has no addresses)."""
+    assert prof.profiler is not None and prof.profiler.kineto_results is not None
+    found = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        fields = node.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
+            found.append((node.start_time_ns, fields.alloc_size, fields.ptr))
+    return sorted(found, key=lambda x: x[0])
+
+
 @dataclass
 class ProbedBatch:
     resident: int
@@ -180,6 +195,7 @@ class AllocatorProbe(Callback):
         self._loop: str | None = None
         self._gc_was_enabled = False
         self._resident = (0, 0)
+        self._blocks: dict[int, int] = {}  # address: bytes of what was resident at the batch's start
 
     # --- training ---
     def on_train_batch_start(
@@ -270,6 +286,7 @@ class AllocatorProbe(Callback):
             everything.keys.pop(key, None)
         everything.keys.update(core.keys)
         self._resident = (everything.bytes, everything.bytes - core.bytes)
+        self._blocks = {address: size for address, size in everything.keys}
         # no collection inside the window: a collected object of an earlier profile corrupts the sum
         self._gc_was_enabled = gc.isenabled()
         gc.disable()
@@ -290,17 +307,17 @@ class AllocatorProbe(Callback):
             prof.__exit__(None, None, None)
             if record:
                 assert prof.profiler is not None and prof.profiler.kineto_results is not None
-                # stable: events of one nanosecond keep the profiler's order
-                memory = sorted(
-                    (
-                        (e.start_ns(), e.nbytes())
-                        for e in prof.profiler.kineto_results.events()
-                        if e.name() == "[memory]"
-                    ),
-                    key=lambda x: x[0],
-                )
                 held = rise = 0
-                for _, nbytes in memory:
+                allocated: dict[int, int] = {}
+                for _, nbytes, address in _allocations(prof):
+                    if nbytes > 0:
+                        allocated[address] = nbytes
+                    else:
+                        # A free counts for a block allocated in the window or resident at its start;
+                        # the allocator also reports, with a stale size, frees of blocks at an address
+                        # an earlier profile saw allocated (never held here).
+                        size = allocated.pop(address, None)
+                        nbytes = -(self._blocks.pop(address, 0) if size is None else size)
                     held += nbytes
                     rise = max(rise, held)
                 probed = ProbedBatch(*self._resident, rise)
