@@ -108,7 +108,7 @@ def one(spec: str, shape: str, calibrate: bool) -> dict[str, Any]:
             calibrated_peak=_peak(calibrated),
             calibration_seconds=c.seconds,
             signatures=c.measured,
-            failed=list(c.failed),
+            not_measured=list(c.failed),  # ops calibration could not run (not "failed": the run's error)
             uncovered=uncovered,
         )
     return row
@@ -172,7 +172,7 @@ def report(rows: list[dict[str, Any]], calibrate: bool) -> None:
     for r in off:
         print(
             f"  {r['model']}: {_rounded(r['calibrated_error_percent'])}, peak at {r['calibrated_peak']}; "
-            f"not measured: {r['failed'] or 'none'}; uncovered: {r['uncovered'] or 'none'}"
+            f"not measured: {r['not_measured'] or 'none'}; uncovered: {r['uncovered'] or 'none'}"
         )
     ratios = [r["calibration_seconds"] / r["step_seconds"] for r in checked if r["step_seconds"]]
     if ratios:

@@ -256,3 +256,27 @@ def test_a_second_fit_estimates_and_measures_again() -> None:
     assert [m.step for m in memest.measured] == [1, 2]
     assert [m.estimated_bytes for m in memest.measured] == [p.bytes for p in second.peaks]
     assert all(abs(m.error_pct) <= 2.0 for m in memest.measured)
+
+
+def test_a_gloo_rank_pauses_at_exit_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A PyTorch race aborts a gloo rank at exit when a worker thread frees a finished collective after
+    # the interpreter began to finalize (adapter/gloo_exit.py): ranks of a gloo group, and only they,
+    # get one pause at exit, before finalization.
+    import torch.distributed as dist
+
+    from lightning_memest.adapter import gloo_exit
+
+    registered: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(gloo_exit.atexit, "register", lambda *a: registered.append(a))
+    monkeypatch.setattr(gloo_exit, "_registered", False)
+    gloo_exit.settle_gloo_workers_at_exit()  # no process group here
+    assert registered == []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    gloo_exit.settle_gloo_workers_at_exit()
+    assert registered == []
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    gloo_exit.settle_gloo_workers_at_exit()
+    gloo_exit.settle_gloo_workers_at_exit()
+    assert registered == [(gloo_exit.time.sleep, gloo_exit.EXIT_PAUSE_SECONDS)]

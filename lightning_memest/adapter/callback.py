@@ -21,6 +21,7 @@ from lightning_memest.adapter.describe import describe_checks
 from lightning_memest.adapter.eval_runner import Loop
 from lightning_memest.adapter.fit import fit_setup
 from lightning_memest.adapter.fit_batches import FitBatches, resident_at_start
+from lightning_memest.adapter.gloo_exit import settle_gloo_workers_at_exit
 from lightning_memest.adapter.guard import Guard, attempt
 from lightning_memest.adapter.loggers import log_scalars
 from lightning_memest.adapter.loggers.fit_log import FitLog
@@ -253,6 +254,7 @@ class MemEstimate(ModelSummary):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        settle_gloo_workers_at_exit()  # a PyTorch race at a gloo rank's exit (see adapter/gloo_exit.py)
         # One scan for other live tensors per trainer call: a full collection at its first use only.
         self._loops.scan = LiveTensorScan()
         # One summary table, this one: a ModelSummary or RichModelSummary passed beside it would print

@@ -11,6 +11,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from typing_extensions import override
 
 from lightning_memest.adapter.fit import dataset_length, first_batch, fit_setup, train_loader
+from lightning_memest.adapter.gloo_exit import settle_gloo_workers_at_exit
 from lightning_memest.batches import batch_size_of
 from lightning_memest.budget import device_budget, parse_size
 from lightning_memest.errors import MemestError, MemoryBudgetError
@@ -87,7 +88,7 @@ class FitBatchSize(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-
+        settle_gloo_workers_at_exit()  # a PyTorch race at a gloo rank's exit (see adapter/gloo_exit.py)
         if not lightning_hasattr(pl_module, self.attr_name):
             raise MemestError(
                 f"FitBatchSize: {self.attr_name!r} is neither an attribute of the module, nor in its "
