@@ -220,9 +220,9 @@ def resident_blocks(tensors: Iterable[Tensor]) -> dict[int, int]:
     for t in tensors:
         if t.device.type != "cpu" or isinstance(t, FakeTensor):
             continue
-        storage = local_tensor(t).untyped_storage()
-        if storage.data_ptr():
-            blocks[storage.data_ptr()] = storage.nbytes()
+        address, nbytes = _storage_key(t)
+        if address:
+            blocks[address] = nbytes
     return blocks
 
 

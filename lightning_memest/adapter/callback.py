@@ -405,13 +405,7 @@ class MemEstimate(ModelSummary):
         self._steps_started = CHECKED_STEPS + 1  # nothing more to measure
         if probe is None:
             return
-        failure = self._measure_failure
-        if failure is None:
-            results, failure = attempt("measuring", probe.finish)
-        else:
-            results = None
-            attempt("measuring", probe.close)
-        results = self._guard.agreed(trainer, results, failure)
+        results = self._guard.agreed_measurement(trainer, self._measure_failure, probe.finish, probe.close)
         if results is None or self.estimate is None:
             return
         for step, result in enumerate(results):

@@ -79,7 +79,7 @@ class FitSetup:
             step_context=self.step_context,
             strategy=config.strategy,
             transferred=self.transferred,
-            batch_end=self.averaging.on_batch_end if self.averaging else None,
+            batch_end=self.averaging.on_batch_end if self.averaging is not None else None,
         )
 
     def simulate(
@@ -96,7 +96,7 @@ class FitSetup:
         records only what memory needs; ``calibrate`` records what calibration needs; ``next_batches``
         and ``residents`` as in ``engine.simulate``)."""
         averaging = self.averaging
-        with averaging.kept() if averaging else contextlib.nullcontext():
+        with averaging.kept() if averaging is not None else contextlib.nullcontext():
             return simulate(
                 self.module,
                 batch,
@@ -107,7 +107,7 @@ class FitSetup:
                 capture=capture_filter(flops=flops, calibrate=calibrate),
                 next_batches=next_batches,
                 residents=residents,
-                companions=averaging.companions if averaging else (),
+                companions=averaging.companions if averaging is not None else (),
             )
 
     def estimate(
@@ -173,7 +173,7 @@ def fit_setup(
         gradient_clip_val=trainer.gradient_clip_val,
         gradient_clip_algorithm=trainer.gradient_clip_algorithm,
         step_context=trainer.precision_plugin.train_step_context,
-        averaging=WeightAveragingMirror.of(trainer) or None,
+        averaging=WeightAveragingMirror.of(trainer),
     )
 
 

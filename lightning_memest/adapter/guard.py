@@ -62,6 +62,18 @@ class Guard:
             return None
         return result
 
+    def agreed_measurement(
+        self, trainer: pl.Trainer, failure: str | None, read: Callable[[], _T], close: Callable[[], object]
+    ) -> _T | None:
+        """A measurement's result, as :meth:`agreed`: ``read`` where this rank's measuring has not
+        failed (``failure``), else ``close`` it and keep nothing. A collective under DDP."""
+        result: _T | None = None
+        if failure is None:
+            result, failure = attempt("measuring", read)
+        else:
+            attempt("measuring", close)
+        return self.agreed(trainer, result, failure)
+
     def warn(self, failure: str) -> None:
         # One warning; on every rank (rank_zero_warn would hide rank 1's failure).
         if not self.warned:

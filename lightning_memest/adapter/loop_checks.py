@@ -162,13 +162,7 @@ class LoopChecks:
         name, self._measuring = self._measuring, None
         if name is None:
             return
-        failure = self._failure
-        if failure is None:
-            result, failure = attempt("measuring", self._stop)
-        else:
-            result = None
-            attempt("measuring", self.close)
-        result = guard.agreed(trainer, result, failure)
+        result = guard.agreed_measurement(trainer, self._failure, self._stop, self.close)
         estimate = self.estimates.get(name)
         if result is None or estimate is None:
             return

@@ -52,11 +52,13 @@ class WeightAveragingMirror:
     callbacks: tuple[pl.Callback, ...]
 
     @staticmethod
-    def of(trainer: pl.Trainer) -> WeightAveragingMirror:
+    def of(trainer: pl.Trainer) -> WeightAveragingMirror | None:
+        """The trainer's weight-averaging callbacks with their copy on the training device; ``None``
+        where there is none."""
         try:  # new in lightning 2.6
             from lightning.pytorch.callbacks import WeightAveraging
         except ImportError:
-            return WeightAveragingMirror(trainer, ())
+            return None
         device = trainer.strategy.root_device
         found = []
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
@@ -66,10 +68,7 @@ class WeightAveragingMirror:
             tensors = [t for _, t, _ in resident_tensors(averaged)]
             if tensors and all(t.device == device for t in tensors):
                 found.append(callback)
-        return WeightAveragingMirror(trainer, tuple(found))
-
-    def __bool__(self) -> bool:
-        return bool(self.callbacks)
+        return WeightAveragingMirror(trainer, tuple(found)) if found else None
 
     @property
     def companions(self) -> tuple[nn.Module, ...]:

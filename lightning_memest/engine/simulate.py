@@ -319,6 +319,8 @@ def _besides(residents: Sequence[Tensor], own: Sequence[Tensor]) -> list[Tensor]
     """``residents`` but those sharing a storage with ``own`` (the companions' real tensors, counted
     through their fake mirrors instead)."""
     mine = {_real_storage(t) for t in own} - {None}
+    if not mine:  # no companion (the usual case; a batch-size search simulates many times)
+        return list(residents)
     return [t for t in residents if _real_storage(t) not in mine]
 
 
