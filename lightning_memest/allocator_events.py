@@ -37,7 +37,6 @@ import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -97,12 +96,6 @@ class CpuMemoryProfile(profile):
                 windows[node.name] = min(windows.get(node.name, span), span)
         events.sort(key=lambda e: e[0])
         return AllocatorTimeline(tuple(events), windows)
-
-    def allocator_events(self) -> list[Any]:
-        """Every event of the finished profile, the ``[memory]`` ones among them (kineto's list;
-        ``events()`` of the profile itself holds only a few dozen memory events)."""
-        assert self.profiler is not None and self.profiler.kineto_results is not None
-        return list(self.profiler.kineto_results.events())
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import types
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +159,34 @@ def _allocations(prof: profile) -> list[tuple[int, int, int]]:
         if type(fields).__name__ == "_ExtraFields_Allocation" and fields.device.type == "cpu":
             found.append((node.start_time_ns, fields.alloc_size, fields.ptr))
     return sorted(found, key=lambda x: x[0])
+
+
+def storage_blocks(tensors: Iterable[Tensor]) -> dict[int, int]:
+    """``address: bytes`` of the distinct storages of ``tensors`` (what is resident before a profile)."""
+    storages = _Storages()
+    for t in tensors:
+        storages.add(t)
+    return {address: size for address, size in storages.keys}
+
+
+def largest_rise(prof: profile, resident: Mapping[int, int]) -> int:
+    """The largest rise of the CPU allocator's running sum in the finished profile ``prof``.
+
+    A free counts for a block allocated in the profile or in ``resident`` (address: bytes, what was
+    held when it started); the allocator also reports, with a stale size, frees of blocks at an address
+    an earlier profile saw allocated, which were never held here."""
+    blocks = dict(resident)
+    held = rise = 0
+    allocated: dict[int, int] = {}
+    for _, nbytes, address in _allocations(prof):
+        if nbytes > 0:
+            allocated[address] = nbytes
+        else:
+            size = allocated.pop(address, None)
+            nbytes = -(blocks.pop(address, 0) if size is None else size)
+        held += nbytes
+        rise = max(rise, held)
+    return rise
 
 
 @dataclass
@@ -306,20 +334,7 @@ class AllocatorProbe(Callback):
         try:
             prof.__exit__(None, None, None)
             if record:
-                assert prof.profiler is not None and prof.profiler.kineto_results is not None
-                held = rise = 0
-                allocated: dict[int, int] = {}
-                for _, nbytes, address in _allocations(prof):
-                    if nbytes > 0:
-                        allocated[address] = nbytes
-                    else:
-                        # A free counts for a block allocated in the window or resident at its start;
-                        # the allocator also reports, with a stale size, frees of blocks at an address
-                        # an earlier profile saw allocated (never held here).
-                        size = allocated.pop(address, None)
-                        nbytes = -(self._blocks.pop(address, 0) if size is None else size)
-                    held += nbytes
-                    rise = max(rise, held)
+                rise = largest_rise(prof, self._blocks)
                 probed = ProbedBatch(*self._resident, rise)
                 if self._loop is None:
                     self.probed.append(probed)

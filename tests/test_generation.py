@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from probe import largest_rise, storage_blocks
 from torch import Tensor, nn
 from transformers import (
     GPT2Config,
@@ -32,7 +33,6 @@ from lightning_memest.engine import read_guard
 from lightning_memest.engine.events import Phase
 from lightning_memest.engine.simulate import simulate
 from lightning_memest.engine.step import StepConfig, StepListener
-from lightning_memest.measure import resident_bytes
 from lightning_memest.report import StepEstimate
 
 EOS = 7
@@ -96,19 +96,14 @@ def estimated(model: nn.Module, ids: Tensor, **kwargs: Any) -> StepEstimate:
 
 
 def measured(model: nn.Module, ids: Tensor, **kwargs: Any) -> tuple[int, Tensor]:
-    """The real call's peak: the CPU allocator's running sum (its events, in order) above what existed
-    before, plus the weights and the prompt (each storage once: GPT-2 ties its embedding to its head)."""
+    """The real call's peak: the largest rise of the CPU allocator's running sum during the call
+    (``probe.largest_rise``), plus the weights and the prompt (each storage once: GPT-2 ties its
+    embedding to its head)."""
     generate(model, ids, **kwargs)  # first-call caches (generation config) out of the way
+    resident = storage_blocks([*model.parameters(), *model.buffers(), ids])
     with quiet_gc(), CpuMemoryProfile() as prof:
         out = generate(model, ids, **kwargs)
-    events = sorted(
-        (e for e in prof.allocator_events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
-    )
-    held = peak = 0
-    for e in events:
-        held += e.nbytes()
-        peak = max(peak, held)
-    return resident_bytes([*model.parameters(), *model.buffers(), ids]) + peak, out
+    return sum(resident.values()) + largest_rise(prof, resident), out
 
 
 SAMPLING: dict[str, dict[str, Any]] = {
@@ -194,15 +189,10 @@ def test_a_hand_written_decode_loop_runs_to_its_maximum() -> None:
         ("False (assumed: an unknown value equals no given value)", 10),
         ("True (assumed: an unknown value equals no given value)", 10),
     }
+    resident = storage_blocks([*model.parameters(), *model.buffers(), ids])
     with quiet_gc(), CpuMemoryProfile() as prof:
         out = decode(model, ids, 10)
-    held = peak = 0
-    for e in sorted(
-        (e for e in prof.allocator_events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
-    ):
-        held += e.nbytes()
-        peak = max(peak, held)
-    real = resident_bytes([*model.parameters(), *model.buffers(), ids]) + peak
+    real = sum(resident.values()) + largest_rise(prof, resident)
     assert out.shape[1] == PROMPT + 10
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
 
