@@ -387,6 +387,12 @@ class StepProbe:
             self.close()  # half started: nothing left open
             raise
 
+    @property
+    def profiling(self) -> bool:
+        """Whether the CPU profiler runs (from the first ``start`` to ``finish``), with the garbage
+        collector off since a full collection at its start."""
+        return self._profiler is not None
+
     def stop(self, unseen_bytes: int = 0) -> None:
         """End the step. ``unseen_bytes``: memory resident through the step that the profiler cannot
         see and ``start``'s tensors did not name (DDP's buckets, allocated before it started)."""

@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelSummary
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_memest.adapter.budget_check import BudgetCheck
@@ -297,9 +298,10 @@ class MemEstimate(ModelSummary):
             self._second_estimate(trainer, pl_module, batch, measuring)
         elif self._trying and self._steps_started > 1:
             self._later_estimate(trainer, pl_module, batch)
+        others = self._batches.take_others(batch)  # what the estimate of this batch just found
         if self.check and self.estimate is not None and self._steps_started < CHECKED_STEPS:
             self._fit_log.measured_at.append(logging_step(trainer))
-            self._start_measuring(trainer, pl_module, batch)
+            self._start_measuring(trainer, pl_module, batch, others)
         else:
             self._steps_started += 1
             if self._every_step(trainer):
@@ -340,7 +342,9 @@ class MemEstimate(ModelSummary):
             everywhere=False,
         )
 
-    def _start_measuring(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+    def _start_measuring(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, others: list[Tensor] | None
+    ) -> None:
         device = trainer.strategy.root_device
         if self._probe is None:
             if device.type == "cpu":
@@ -353,7 +357,11 @@ class MemEstimate(ModelSummary):
 
         def start() -> None:
             self._unseen = UnseenBuckets.at_step_start(trainer)
-            probe.start(resident_at_start(trainer, pl_module, batch, own=self._batches.first))
+            # A later step's scan: the collector has been off since the probe's full collection.
+            resident = resident_at_start(
+                trainer, pl_module, batch, own=self._batches.first, others=others, young=probe.profiling
+            )
+            probe.start(resident)
 
         self._measure_failure = attempt("measuring", start)[1]
 

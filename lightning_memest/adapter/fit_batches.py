@@ -117,17 +117,19 @@ def resident_at_start(
     own: Any = (),
     *,
     others: Sequence[Tensor] | None = None,
+    young: bool = False,
 ) -> list[Tensor]:
     """What is resident at a batch's start, for the measured peak to start from: the module's tensors,
     the optimizers' state, the batch, and on the CPU every other live tensor (``own``, a caller's light
     copy of a batch, aside). ``others``: those other live tensors where the caller has just found them
-    (:func:`resident_besides` on the CPU, with the same ``own``), so that they are not scanned twice."""
+    (:func:`resident_besides` on the CPU, with the same ``own``), so that they are not scanned twice.
+    ``young``: the scan needs only a young collection (the collector has been off since a full one)."""
     mine = _own_tensors(trainer, module, batch)
     device = trainer.strategy.root_device
     if device.type != "cpu":
         return mine
     if others is None:
-        others = live_tensors(device, besides=[*mine, *iter_tensors(own)])
+        others = live_tensors(device, besides=[*mine, *iter_tensors(own)], full=not young)
     return [*mine, *others]
 
 
@@ -141,6 +143,7 @@ class FitBatches:
         self.first: Any = None
         """The first batch's light copy (:func:`light_copy`), once estimated."""
         self.reads_values = False
+        self._others: tuple[Any, list[Tensor]] | None = None
         self._largest: list[tuple[int, ...]] | None = None
         self._estimated: dict[Signature, StepEstimate] = {}
 
@@ -166,6 +169,7 @@ class FitBatches:
         the user gave (``given``: as the dataloader would yield it)."""
         fit = self._fit(trainer, module, batch, given)
         residents = resident_besides(trainer, module, batch, scan=self.scan)
+        self._others = None if given else (batch, residents)
         estimate = fit.estimate(steps=2, calibrate=self._calibration(measuring), residents=residents)
         self.first = light_copy(batch)
         self.reads_values = estimate.reads_values
@@ -186,6 +190,7 @@ class FitBatches:
             return None
         fit = self._fit(trainer, module, first, False)  # (a copy of the batch in hand: transferred)
         residents = resident_besides(trainer, module, batch, own=first, scan=self.scan)
+        self._others = (batch, residents)
         estimate = fit.estimate(
             steps=2, calibrate=self._calibration(measuring), next_batches=[batch], residents=residents
         )
@@ -211,6 +216,13 @@ class FitBatches:
         estimate = fit.estimate(steps=2, calibrate=self._calibration(False), residents=residents)
         self._note(batch, estimate)
         return estimate
+
+    def take_others(self, batch: Any) -> list[Tensor] | None:
+        """The other live tensors an estimate of this very ``batch`` found, in this batch's start hook,
+        for its measurement to start from without a second scan; ``None`` where none did. Called at
+        every batch's start, so that no batch's tensors are held past it."""
+        others, self._others = self._others, None
+        return others[1] if others is not None and others[0] is batch else None
 
     def _note(self, batch: Any, estimate: StepEstimate) -> None:
         signature = batch_signature(batch)
