@@ -36,7 +36,7 @@ class Progress:
         total: the number of items (models) the command works through, for an ``i/total`` bar.
         threads: let Rich refresh the line from a thread of its own (its spinner and clock move while
             a long estimate runs). The batch-size search forks its worker only in a process with no
-            other thread, so it asks for none: the line then changes at each :meth:`update`.
+            other thread, so it asks for none. Either way the line is redrawn at each :meth:`update`.
     """
 
     def __init__(self, enabled: bool, *, total: int | None = None, threads: bool = True) -> None:
@@ -63,9 +63,8 @@ class Progress:
         if not self.enabled:
             return
         if self._rich is not None:
-            self._rich.update(self._task, description=text, completed=done)
-            if not self._threads:
-                self._rich.refresh()
+            # Drawn now, not at the refresh thread's next tick: a stage shorter than a tick is shown too.
+            self._rich.update(self._task, description=text, completed=done, refresh=True)
             return
         count = f"[{done + 1}/{self._total}] " if done is not None and self._total else ""  # the one running
         seconds = time.perf_counter() - self._started
