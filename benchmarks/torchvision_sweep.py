@@ -31,8 +31,13 @@ from typing import Any
 import torch
 import torchvision
 
+from lightning_memest.accounting.kernels.cpu import isa as cpu_isa
+from lightning_memest.machine import cpu_model
+
 #: Targets: the hand models within 1 %, calibrated kernels within 0.1 %.
 HAND_TARGET, CALIBRATED_TARGET = 1.0, 0.1
+#: The environment that caps the CPU's kernels (to run as a CPU of another kind would).
+CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MEMEST_CPU_ISA")
 
 
 def models(max_params: float, only: set[str] | None) -> list[tuple[str, str]]:
@@ -136,7 +141,17 @@ def _worst(errors: dict[str, float]) -> float:
 
 
 def report(rows: list[dict[str, Any]], calibrate: bool) -> None:
-    print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, CPU\n")
+    # The kernels the models were run with: the CPU, what torch dispatches to (ATEN_CPU_CAPABILITY caps
+    # it) and the instruction set the kernel models key (ONEDNN_MAX_CPU_ISA caps oneDNN).
+    print(
+        f"torch {torch.__version__}, torchvision {torchvision.__version__}, CPU: {cpu_model() or 'unknown'}, "
+        f"{torch.get_num_threads()} threads, torch capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"kernel models' ISA {cpu_isa()}"
+        + "".join(
+            f", {k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ
+        )
+        + "\n"
+    )
     if calibrate:
         columns = ["error step 1", "error steady", "calibrated step 1", "calibrated steady"]
         print("| model | " + " | ".join(columns) + " | calibration s | profiled step s |")
