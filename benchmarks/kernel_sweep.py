@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lightning_memest.accounting.kernels import KernelMemory, OpCall, TensorMeta, kernel_memory
-from lightning_memest.accounting.kernels.calibrate import _Guard
+from lightning_memest.accounting.kernels.op_runs import Guard
 from lightning_memest.allocator_events import CpuMemoryProfile, quiet_gc, window_figures
 from lightning_memest.machine import cpu_flags
 
@@ -377,7 +377,7 @@ def measure(calls: list[tuple[OpCall, tuple[bool, ...]]]) -> list[KernelMemory |
     after it): the highest point above what existed before, less what it left, and per output the bytes
     the real one has beyond the fake one (an output the fake kernel aliases counts whole when the real
     kernel allocates it)."""
-    guard = _Guard()
+    guard = Guard()
     outcomes: list[tuple[list[tuple[int, int] | None], set[int]] | str] = []
     # Grad mode stays on, as in training (no input requires grad, so nothing is recorded): under
     # no_grad mkldnn_rnn_layer returns no workspace at all.
