@@ -851,3 +851,56 @@ def test_mixed_dtype_batch_norm_saves_float32_stats() -> None:
     x, p = meta(4, 64, 28, 28, dtype=BF), meta(64)
     km = kernel_memory(call(aten.native_batch_norm.default, x, p, p, p, p, True, 0.1, 1e-5))
     assert km == KernelMemory(512, True, (0, 128, 128))
+
+
+# A depthwise channels-last convolution's backward, run for real in a fresh process (its oneDNN as the
+# environment caps it) and measured by the tests' own probe: the weight gradient's transient excess.
+_DEPTHWISE_CL = r"""
+import json, sys
+import torch
+from torch.profiler import ProfilerActivity, profile
+from probe import largest_rise, storage_blocks
+from lightning_memest.accounting.kernels import OpCall, TensorMeta, cpu, kernel_memory
+
+x = torch.zeros(2, 96, 14, 14).to(memory_format=torch.channels_last)
+go = torch.zeros(2, 96, 14, 14).to(memory_format=torch.channels_last)
+w = torch.zeros(96, 1, 7, 7)
+op = torch.ops.aten.convolution_backward.default
+args = (go, x, w, None, [1, 1], [3, 3], [1, 1], False, [0, 0], 96, [False, True, False])
+op(*args)  # oneDNN's first call of a primitive keeps some of it
+resident = storage_blocks([x, go, w])
+with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    grads = op(*args)
+measured = largest_rise(prof, resident) - grads[1].untyped_storage().nbytes()
+metas = tuple(TensorMeta.of(a) if isinstance(a, torch.Tensor) else a for a in args)
+outputs = tuple(None if g is None else TensorMeta.of(g) for g in grads)
+model = kernel_memory(OpCall(op, metas, {}, outputs, "cpu"))
+modelled = model.workspace_bytes if model else None
+print(json.dumps([cpu.isa(), measured, modelled, w.untyped_storage().nbytes()]))
+"""
+
+
+@pytest.mark.parametrize(
+    "caps", [{}, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}], ids=["native", "avx2"]
+)
+def test_depthwise_channels_last_backward_pads_each_group_to_a_block(caps: dict[str, str]) -> None:
+    # oneDNN's depthwise kernel refuses the 7x7 grad-weight pass; its generic kernel's diff weights pad
+    # each group's one input and one output channel to a block: 16x16 with AVX-512 (257 w), 8x8 below
+    # it (65 w). Measured here, on this machine's own kernels and capped to AVX2 (any x86-64 has it).
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    env = {k: v for k, v in os.environ.items() if k not in (cpu.ISA_ENV, "ONEDNN_MAX_CPU_ISA")}
+    env.update(caps, PYTHONPATH=os.pathsep.join([str(tests), env.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _DEPTHWISE_CL], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    isa, measured, modelled, w_bytes = json.loads(done.stdout.strip().splitlines()[-1])
+    assert modelled == measured, (isa, measured, modelled)
+    block = 8 if isa == cpu.OTHER else 16
+    assert measured == (block * block + 1) * w_bytes

@@ -64,7 +64,9 @@ AVX512 = "avx512"
 AVX512_BF16 = "avx512_bf16"
 #: AMX tiles (Sapphire Rapids and later): not measured; its bf16 kernels are closest to AVX512_BF16's.
 AMX = "amx"
-#: No AVX-512 (AVX2 and below): not measured; the AVX512 models hold as the nearest.
+#: No AVX-512 (AVX2 and below): the AVX512 models as the nearest, with oneDNN's 8-channel blocks where
+#: they matter (:func:`channel_block`); checked with AVX2 forced on the EPYC (``ATEN_CPU_CAPABILITY=avx2
+#: ONEDNN_MAX_CPU_ISA=AVX2``), not on an AVX2 CPU.
 OTHER = "other"
 ISAS = (AVX512, AVX512_BF16, AMX, OTHER)
 #: Overrides the detected instruction set (one of :data:`ISAS`): to estimate for another CPU, and in tests.
@@ -111,6 +113,12 @@ def native_bf16() -> bool:
 # ---------------------------------------------------------------------------------------------- helpers
 
 MKLDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def channel_block() -> int:
+    """The float32 channel block of oneDNN's blocked layouts here: 16 with AVX-512 (``nChw16c``,
+    ``aBCde16c16b``), 8 below it (AVX2 and SSE4.1: ``nChw8c``, ``aBCde8c8b``)."""
+    return 8 if isa() == OTHER else 16
 
 
 def threads() -> int:

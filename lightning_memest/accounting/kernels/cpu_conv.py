@@ -24,7 +24,14 @@ from typing import Any
 
 import torch
 
-from lightning_memest.accounting.kernels.cpu import MKLDNN_DTYPES, ints, native_bf16, rnd, threads
+from lightning_memest.accounting.kernels.cpu import (
+    MKLDNN_DTYPES,
+    channel_block,
+    ints,
+    native_bf16,
+    rnd,
+    threads,
+)
 from lightning_memest.accounting.kernels.cpu_conv_gemm import (
     gemm_data_scratch,
     gemm_forward_scratch,
@@ -386,8 +393,11 @@ def _convolution_backward_channels_last(
     # weight to a blocked layout and computes a blocked diff-weights. Measured (float32, convnext_tiny and
     # micro cases, N 1-8, maps 7-56, 1 and 2 threads):
     #   dense: grad-input phase w_copy + w + 12,464; grad-weight phase w_copy + 2 w (+ bias bytes)
-    #   depthwise kh*kw >= 16 (convnext's 7x7): the grad-weight phase holds 257 w (+ bias bytes) whatever
-    #   the batch, map size, stride or thread count; kh*kw < 16 (3x3): 2 w (+ bias bytes).
+    #   depthwise kh*kw >= 16 (convnext's 7x7): oneDNN's depthwise kernel refuses the grad-weight pass and
+    #   its generic one runs it as a grouped convolution, whose diff weights (``aBCde16c16b``) pad each
+    #   group's single input and output channel to a block: block^2 w, + w -- 257 w with AVX-512, 65 w
+    #   with AVX2 (ONEDNN_VERBOSE names the layouts), whatever the batch, map size, stride or thread
+    #   count (+ bias bytes); kh*kw < 16 (3x3, oneDNN's depthwise kernel): 2 w (+ bias bytes).
     # Open: dense 2x2 stride-2 convs on 56x56 maps add a thread-dependent 35 KB (1 thread) to 650 KB
     # (2 threads). bfloat16 is different (below).
     oc = w.shape[0]
@@ -427,7 +437,7 @@ def _convolution_backward_channels_last(
         if mask[0]:
             held.append(2 * wb)
         if mask[1]:
-            held.append((257 if kk >= 16 else 2) * wb + bias)
+            held.append((channel_block() ** 2 + 1 if kk >= 16 else 2) * wb + bias)
     else:
         w_copy = 0 if _cl_contiguous(w) else wb
         if mask[0]:
