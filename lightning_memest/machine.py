@@ -26,8 +26,21 @@ import torch
 
 __all__ = ["cpu_flags", "cpu_model", "machine_facts", "machine_key", "mem_available"]
 
-#: CPU flags (``/proc/cpuinfo``) that change which kernels oneDNN runs in low precision.
-_KERNEL_FLAGS = ("avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile", "amx_int8", "avx512_vnni", "avx_vnni")
+#: CPU flags (``/proc/cpuinfo``) that change which kernels oneDNN runs: AVX-512 itself (oneDNN's
+#: ``avx512_core`` needs all four of F, BW, VL and DQ) and the low-precision extensions.
+_KERNEL_FLAGS = (
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_bf16",
+    "amx_tile",
+    "amx_int8",
+    "avx512_vnni",
+    "avx_vnni",
+)
 #: Environment variables that change which kernels run (or how much workspace they take).
 _KERNEL_ENV = (
     "ONEDNN_MAX_CPU_ISA",
@@ -44,7 +57,7 @@ _KERNEL_ENV = (
 
 @functools.cache
 def cpu_flags() -> tuple[str, ...]:
-    """The CPU's flags among those that change low-precision kernels (empty where /proc is missing)."""
+    """The CPU's flags among those that change oneDNN's kernels (empty where /proc is missing)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -80,8 +80,8 @@ _NO_BF16 = ("AVX512_CORE", "AVX512_CORE_VNNI")
 def isa() -> str:
     """The instruction set oneDNN runs here, as the kernel models key it: :data:`AVX512`,
     :data:`AVX512_BF16`, :data:`AMX` or :data:`OTHER`. ``$MEMEST_CPU_ISA`` overrides it; otherwise it
-    comes from torch's CPU capability and the CPU flags, capped as ``ONEDNN_MAX_CPU_ISA`` caps oneDNN
-    (read once per process)."""
+    comes from the CPU's flags (torch's CPU capability where ``/proc/cpuinfo`` has none), capped as
+    ``ONEDNN_MAX_CPU_ISA`` caps oneDNN (read once per process)."""
     forced = os.environ.get(ISA_ENV)
     if forced:
         if forced not in ISAS:
@@ -90,14 +90,21 @@ def isa() -> str:
     return _machine_isa()
 
 
+#: What oneDNN's ``avx512_core`` needs of the CPU.
+_AVX512_CORE = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
 @functools.cache
 def _machine_isa() -> str:
-    if not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+    # oneDNN picks its kernels from the CPU's own flags and its own cap, whatever ATen's capability
+    # (ATEN_CPU_CAPABILITY lowers ATen's alone); torch's detection stands in where there are no flags.
+    flags = set(cpu_flags())
+    avx512 = flags >= _AVX512_CORE if flags else torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    if not avx512:
         return OTHER
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
     if cap in _BELOW_AVX512:
         return OTHER
-    flags = set(cpu_flags())
     if cap in _NO_BF16 or ("avx512_bf16" not in flags and "amx_bf16" not in flags):
         return AVX512
     if "amx_bf16" in flags and (not cap or "AMX" in cap or cap in ("ALL", "DEFAULT")):
