@@ -26,9 +26,10 @@ import torch
 
 __all__ = ["cpu_flags", "cpu_model", "machine_facts", "machine_key", "mem_available"]
 
-#: CPU flags (``/proc/cpuinfo``) that change which kernels oneDNN runs: AVX-512 itself (oneDNN's
+#: CPU flags (``/proc/cpuinfo``) that change which kernels oneDNN runs: AVX2, AVX-512 itself (oneDNN's
 #: ``avx512_core`` needs all four of F, BW, VL and DQ) and the low-precision extensions.
 _KERNEL_FLAGS = (
+    "avx2",
     "avx512f",
     "avx512bw",
     "avx512vl",

@@ -583,7 +583,7 @@ def test_convolution_backward_downsampling_holds_input_minus_grad_output(
 
 # ------------------------------------------------------------------------------- instruction sets
 
-AVX512_CORE = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
+AVX512_CORE = ("avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 
 @pytest.mark.parametrize(
@@ -594,14 +594,19 @@ AVX512_CORE = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
         ("AVX512", (*AVX512_CORE, "avx512_bf16"), "AVX512_CORE_VNNI", cpu.AVX512),  # oneDNN capped
         ("AVX512", (*AVX512_CORE, "avx512_bf16", "amx_bf16", "amx_tile"), None, cpu.AMX),
         ("AVX512", (*AVX512_CORE, "avx512_bf16", "amx_bf16"), "AVX512_CORE_BF16", cpu.AVX512_BF16),
-        ("AVX2", ("avx_vnni",), None, cpu.OTHER),
+        ("AVX2", ("avx2", "avx_vnni"), None, cpu.OTHER),
         ("AVX512", (*AVX512_CORE, "avx512_bf16"), "AVX2", cpu.OTHER),
+        # Below AVX2: oneDNN's dense convolution backward runs as GEMM.
+        ("DEFAULT", ("avx_vnni",), None, cpu.SSE41),
+        ("AVX512", (*AVX512_CORE, "avx512_bf16"), "SSE41", cpu.SSE41),
+        ("AVX512", (*AVX512_CORE,), "AVX", cpu.SSE41),
         # ATEN_CPU_CAPABILITY lowers ATen's kernels only: oneDNN still runs AVX-512 (measured: the
         # depthwise backward below keeps its 16-channel blocks).
         ("AVX2", (*AVX512_CORE, "avx512_bf16"), None, cpu.AVX512_BF16),
-        ("AVX512", ("avx512f",), None, cpu.OTHER),  # AVX-512 F alone is not oneDNN's avx512_core
+        ("AVX512", ("avx2", "avx512f"), None, cpu.OTHER),  # AVX-512 F alone is not oneDNN's avx512_core
         ("AVX512", (), None, cpu.AVX512),  # no /proc/cpuinfo: torch's detection
         ("AVX2", (), None, cpu.OTHER),
+        ("DEFAULT", (), None, cpu.SSE41),
     ],
 )
 def test_isa_from_capability_flags_and_onednn_cap(
@@ -861,31 +866,60 @@ def test_mixed_dtype_batch_norm_saves_float32_stats() -> None:
     assert km == KernelMemory(512, True, (0, 128, 128))
 
 
-# A depthwise channels-last convolution's backward, run for real in a fresh process (its oneDNN as the
-# environment caps it) and measured by the tests' own probe: the weight gradient's transient excess.
-_DEPTHWISE_CL = r"""
+# Convolution backwards run for real in a fresh process (its oneDNN as the environment caps it) and
+# measured by the tests' own probe: each call's transient excess over its outputs, beside the model's.
+_CONV_BACKWARDS = r"""
 import json, sys
 import torch
 from torch.profiler import ProfilerActivity, profile
 from probe import largest_rise, storage_blocks
 from lightning_memest.accounting.kernels import OpCall, TensorMeta, cpu, kernel_memory
 
-x = torch.zeros(2, 96, 14, 14).to(memory_format=torch.channels_last)
-go = torch.zeros(2, 96, 14, 14).to(memory_format=torch.channels_last)
-w = torch.zeros(96, 1, 7, 7)
 op = torch.ops.aten.convolution_backward.default
-args = (go, x, w, None, [1, 1], [3, 3], [1, 1], False, [0, 0], 96, [False, True, False])
-op(*args)  # oneDNN's first call of a primitive keeps some of it
-resident = storage_blocks([x, go, w])
-with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-    grads = op(*args)
-measured = largest_rise(prof, resident) - grads[1].untyped_storage().nbytes()
-metas = tuple(TensorMeta.of(a) if isinstance(a, torch.Tensor) else a for a in args)
-outputs = tuple(None if g is None else TensorMeta.of(g) for g in grads)
-model = kernel_memory(OpCall(op, metas, {}, outputs, "cpu"))
-modelled = model.workspace_bytes if model else None
-print(json.dumps([cpu.isa(), measured, modelled, w.untyped_storage().nbytes()]))
+rows = []
+for c, oc, hw, k, stride, groups, cl, mask in json.loads(sys.argv[1]):
+    fmt = torch.channels_last if cl else torch.contiguous_format
+    out_hw = (hw + 2 * (k // 2) - k) // stride + 1
+    x = torch.zeros(2, c, hw, hw).to(memory_format=fmt)
+    go = torch.zeros(2, oc, out_hw, out_hw).to(memory_format=fmt)
+    w = torch.zeros(oc, c // groups, k, k)
+    args = (go, x, w, None, [stride] * 2, [k // 2] * 2, [1, 1], False, [0, 0], groups, mask)
+    op(*args)  # oneDNN's first call of a primitive keeps some of it
+    resident = storage_blocks([x, go, w])
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        grads = op(*args)
+    left = sum(g.untyped_storage().nbytes() for g in grads if g is not None)
+    metas = tuple(TensorMeta.of(a) if isinstance(a, torch.Tensor) else a for a in args)
+    outputs = tuple(None if g is None else TensorMeta.of(g) for g in grads)
+    model = kernel_memory(OpCall(op, metas, {}, outputs, "cpu"))
+    rows.append([largest_rise(prof, resident) - left, model.workspace_bytes if model else None])
+print(json.dumps([cpu.isa(), rows]))
 """
+
+
+def _conv_backwards(caps: dict[str, str], specs: list[tuple[object, ...]]) -> tuple[str, list[list[int]]]:
+    """(the kernel models' instruction set, [measured, modelled] per spec) in a fresh process whose
+    oneDNN runs as ``caps`` say; nothing of this process's caps or pins is inherited."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    caps_here = (cpu.ISA_ENV, "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+    env = {k: v for k, v in os.environ.items() if k not in caps_here}
+    env.update(caps, PYTHONPATH=os.pathsep.join([str(tests), env.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-c", _CONV_BACKWARDS, json.dumps(specs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    isa, rows = json.loads(done.stdout.strip().splitlines()[-1])
+    return isa, rows
 
 
 @pytest.mark.parametrize(
@@ -901,23 +935,25 @@ def test_depthwise_channels_last_backward_pads_each_group_to_a_block(caps: dict[
     # each group's one input and one output channel to a block: 16x16 with AVX-512 (257 w), 8x8 below
     # it (65 w). Measured on this machine's oneDNN capped to each instruction set (a CPU without
     # AVX-512 runs the AVX2 case only), so no other kernel of an unmeasured CPU kind (AMX) is asserted.
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tests = Path(__file__).resolve().parent
-    caps_here = (cpu.ISA_ENV, "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
-    env = {k: v for k, v in os.environ.items() if k not in caps_here}
-    env.update(caps, PYTHONPATH=os.pathsep.join([str(tests), env.get("PYTHONPATH", "")]))
-    done = subprocess.run(
-        [sys.executable, "-c", _DEPTHWISE_CL], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
-    isa, measured, modelled, w_bytes = json.loads(done.stdout.strip().splitlines()[-1])
+    isa, [[measured, modelled]] = _conv_backwards(caps, [(96, 96, 14, 7, 1, 96, True, [False, True, False])])
     if "AVX512_CORE_VNNI" in caps.values() and isa != cpu.AVX512:
         pytest.skip(f"no AVX-512 here (the kernel models' instruction set: {isa})")
     assert modelled == measured, (isa, measured, modelled)
     block = 8 if isa == cpu.OTHER else 16
-    assert measured == (block * block + 1) * w_bytes
+    assert measured == (block * block + 1) * 96 * 49 * 4
+
+
+def test_dense_convolution_backward_below_avx2_runs_as_gemm() -> None:
+    # Below AVX2 oneDNN has blocked forward kernels but no blocked backward ones for dense convolutions:
+    # both passes run as im2col GEMM (one group's columns; none for 1x1 stride 1). Measured with oneDNN
+    # capped to SSE4.1 (any x86-64 has it): 3x3, 3x3 stride 2, 1x1, and 4 groups.
+    specs = [
+        (64, 64, 28, 3, 1, 1, False, [True, True, True]),
+        (64, 128, 28, 3, 2, 1, False, [True, True, True]),
+        (256, 64, 14, 1, 1, 1, False, [True, True, True]),
+        (64, 64, 28, 3, 1, 4, False, [True, True, True]),
+    ]
+    isa, rows = _conv_backwards({"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}, specs)
+    assert isa == cpu.SSE41
+    for spec, (measured, modelled) in zip(specs, rows, strict=True):
+        assert abs(modelled - measured) <= 128, (spec, measured, modelled)

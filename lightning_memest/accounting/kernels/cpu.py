@@ -64,16 +64,21 @@ AVX512 = "avx512"
 AVX512_BF16 = "avx512_bf16"
 #: AMX tiles (Sapphire Rapids and later): not measured; its bf16 kernels are closest to AVX512_BF16's.
 AMX = "amx"
-#: No AVX-512 (AVX2 and below): the AVX512 models as the nearest, with oneDNN's 8-channel blocks where
-#: they matter (:func:`channel_block`); checked with AVX2 forced on the EPYC (``ATEN_CPU_CAPABILITY=avx2
+#: AVX2 without AVX-512: the AVX512 models as the nearest, with oneDNN's 8-channel blocks where they
+#: matter (:func:`channel_block`); checked with AVX2 forced on the EPYC (``ATEN_CPU_CAPABILITY=avx2
 #: ONEDNN_MAX_CPU_ISA=AVX2``), not on an AVX2 CPU.
 OTHER = "other"
-ISAS = (AVX512, AVX512_BF16, AMX, OTHER)
+#: Below AVX2 (SSE4.1, AVX): as :data:`OTHER`, but oneDNN has no blocked backward kernels for dense
+#: convolutions there and runs both passes as im2col GEMM (``gemm:jit`` in ``ONEDNN_VERBOSE``); checked
+#: with ``ONEDNN_MAX_CPU_ISA=SSE41`` forced on the EPYC.
+SSE41 = "sse41"
+ISAS = (AVX512, AVX512_BF16, AMX, OTHER, SSE41)
 #: Overrides the detected instruction set (one of :data:`ISAS`): to estimate for another CPU, and in tests.
 ISA_ENV = "MEMEST_CPU_ISA"
 # oneDNN's ONEDNN_MAX_CPU_ISA values (src/cpu/x64/cpu_isa_traits.hpp) in increasing order, by what they
 # allow: a cap below AVX512_CORE_BF16 makes oneDNN emulate bf16 on any CPU.
-_BELOW_AVX512 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2")
+_BELOW_AVX2 = ("SSE41", "AVX")
+_BELOW_AVX512 = ("AVX2", "AVX2_VNNI", "AVX2_VNNI_2")
 _NO_BF16 = ("AVX512_CORE", "AVX512_CORE_VNNI")
 
 
@@ -99,11 +104,13 @@ def _machine_isa() -> str:
     # oneDNN picks its kernels from the CPU's own flags and its own cap, whatever ATen's capability
     # (ATEN_CPU_CAPABILITY lowers ATen's alone); torch's detection stands in where there are no flags.
     flags = set(cpu_flags())
-    avx512 = flags >= _AVX512_CORE if flags else torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-    if not avx512:
-        return OTHER
+    capability = torch.backends.cpu.get_cpu_capability()
     cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
-    if cap in _BELOW_AVX512:
+    avx2 = "avx2" in flags if flags else capability != "DEFAULT"
+    if not avx2 or cap in _BELOW_AVX2:
+        return SSE41
+    avx512 = flags >= _AVX512_CORE if flags else capability.startswith("AVX512")
+    if not avx512 or cap in _BELOW_AVX512:
         return OTHER
     if cap in _NO_BF16 or ("avx512_bf16" not in flags and "amx_bf16" not in flags):
         return AVX512
@@ -124,8 +131,8 @@ MKLDNN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def channel_block() -> int:
     """The float32 channel block of oneDNN's blocked layouts here: 16 with AVX-512 (``nChw16c``,
-    ``aBCde16c16b``), 8 below it (AVX2 and SSE4.1: ``nChw8c``, ``aBCde8c8b``)."""
-    return 8 if isa() == OTHER else 16
+    ``aBCde16c16b``), 8 below it (AVX2, AVX and SSE4.1: ``nChw8c``, ``aBCde8c8b``)."""
+    return 8 if isa() in (OTHER, SSE41) else 16
 
 
 def threads() -> int:

@@ -155,7 +155,11 @@ def _convolution_backward(call: OpCall) -> KernelMemory | None:
         return slow_convolution(x, w, (oh, ow), stride, padding, dilation, groups, go, mask)
     depthwise = groups > 1 and icg == 1 and oc == groups
     gemm = gemm_passes(x, w, (oh, ow), stride, padding, dilation, groups)
-    positions, col_elems = oh * ow, c * kh * kw * oh * ow
+    # oneDNN's GEMM convolution (gemm_convolution_utils.cpp init_conf): im2col columns of one group's
+    # input channels x kernel x output positions, none for a 1x1 stride-1 kernel over the same map.
+    positions = oh * ow
+    same_map = kh * kw == 1 and (oh, ow) == (h, wd) and all(v == 1 for v in ints(stride, 2))
+    col_elems = 0 if same_map else c // groups * kh * kw * positions
     if x.is_channels_last() or w.is_channels_last():
         found = _convolution_backward_channels_last(go, x, w, mask, depthwise, stride, dilation)
         if gemm.weights and mask[1] and found is not None:
@@ -183,7 +187,7 @@ def _convolution_backward(call: OpCall) -> KernelMemory | None:
             blocked,
             False,
             bf16_scratch,
-            gemm_data=gemm_data_scratch(n, c, kh * kw, positions, h * wd, s) if gemm.data else None,
+            gemm_data=gemm_data_scratch(n, c, col_elems, h * wd, s) if gemm.data else None,
             gemm_weights=gemm_weights_scratch_for(n, w, col_elems, positions) if gemm.weights else None,
         )
         return KernelMemory(go_copy + excess)
@@ -268,7 +272,8 @@ def _blocked_backward_excess(
         dsrc = n * rnd(c, 16) * spatial * s
         held += [go_r + w_b + dsrc + data_scratch, dsrc + gi]  # backward-data, then into grad_input
     if mask[1] and gemm_weights is not None:
-        held += [gi + gw + gemm_weights, gi + 2 * gw]  # GEMM backward-weights, then its plain copy
+        # GEMM backward-weights (the bias gradient written beside it), then its plain copy
+        held += [gi + gw + gb + gemm_weights, gi + 2 * gw + gb]
     elif mask[1]:
         held += [gi + go_r + src_r + w_b, gi + w_b + gw]  # backward-weights, then into grad_weight
         if strided and blocked and mask[0]:

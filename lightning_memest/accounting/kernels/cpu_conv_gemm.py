@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from lightning_memest.accounting.kernels.cpu import AMX, ints, isa, rnd, threads
+from lightning_memest.accounting.kernels.cpu import AMX, SSE41, ints, isa, rnd, threads
 from lightning_memest.accounting.kernels.model import KernelMemory
 from lightning_memest.engine.events import TensorMeta
 
@@ -101,6 +101,11 @@ def gemm_passes(
     dilation; backward-weights any stride with dilation and a dilated kernel taller than the map. Only
     dilated, ungrouped convolutions are checked (the blocked models were fitted on the others)."""
     dil = ints(dilation, 2)
+    depthwise = groups > 1 and w.shape[1] == 1 and w.shape[0] == groups
+    if len(x.shape) == 4 and isa() == SSE41 and not depthwise:
+        # Below AVX2 oneDNN has no blocked backward kernels for dense convolutions (depthwise ones keep
+        # theirs): both backward passes run as GEMM (ONEDNN_VERBOSE: jit:sse41 forward, gemm:jit backward).
+        return GemmPasses(forward=False, data=True, weights=True)
     if groups != 1 or max(dil) <= 1 or len(x.shape) != 4:
         return GemmPasses()
     ih, iw = x.shape[2:]
@@ -142,14 +147,14 @@ def gemm_forward_scratch(c: int, ks: int, positions: int, oc: int, s: int) -> in
     return threads() * (col * 2 + min(oc * positions, 100_000) * 4) + 256
 
 
-def gemm_data_scratch(n: int, c: int, ks: int, positions: int, spatial: int, s: int) -> int:
-    # gemm_convolution_utils.cpp (backward-data, NCHW): float32 columns of ic x ks x os per thread -- the
-    # threads split the minibatch when there is more than one image -- and for bf16 a float32 diff_src
-    # accumulator of rnd16(ic x ih x iw) per thread; + 128 / 256 B (exact: 4,423,808 and 4,915,456 for
-    # DeepLab's 960 -> 256 ASPP convolution at batch 2, float32 and bfloat16).
+def gemm_data_scratch(n: int, c: int, col_elems: int, spatial: int, s: int) -> int:
+    # gemm_convolution_utils.cpp (backward-data, NCHW): float32 columns (``col_elems``: one group's ic x
+    # ks x os) per thread -- the threads split the minibatch when there is more than one image -- and for
+    # bf16 a float32 diff_src accumulator of rnd16(ic x ih x iw) per thread; + 128 / 256 B (exact:
+    # 4,423,808 and 4,915,456 for DeepLab's 960 -> 256 ASPP convolution at batch 2, float32 and bfloat16).
     nthr = threads() if n > 1 else 1
     acc = rnd(c * spatial, 16) * 4 if s == 2 else 0
-    return nthr * (c * ks * positions * 4 + acc) + (128 if s == 4 else 256)
+    return nthr * (col_elems * 4 + acc) + (128 if s == 4 else 256)
 
 
 def gemm_weights_scratch_for(n: int, w: TensorMeta, col_elems: int, positions: int) -> int:
