@@ -84,7 +84,8 @@ _NO_BF16 = ("AVX512_CORE", "AVX512_CORE_VNNI")
 
 def isa() -> str:
     """The instruction set oneDNN runs here, as the kernel models key it: :data:`AVX512`,
-    :data:`AVX512_BF16`, :data:`AMX` or :data:`OTHER`. ``$MEMEST_CPU_ISA`` overrides it; otherwise it
+    :data:`AVX512_BF16`, :data:`AMX`, :data:`OTHER` (AVX2) or :data:`SSE41` (below AVX2).
+    ``$MEMEST_CPU_ISA`` overrides it; otherwise it
     comes from the CPU's flags (torch's CPU capability where ``/proc/cpuinfo`` has none), capped as
     ``ONEDNN_MAX_CPU_ISA`` caps oneDNN (read once per process)."""
     forced = os.environ.get(ISA_ENV)

@@ -99,7 +99,8 @@ def gemm_passes(
     runs ``gemm_convolution`` instead. Forward refuses a kernel entirely inside the padding and a padding
     wider than the width unroll ``ur_w``; backward-data the same on its overflow, and any stride with
     dilation; backward-weights any stride with dilation and a dilated kernel taller than the map. Only
-    dilated, ungrouped convolutions are checked (the blocked models were fitted on the others)."""
+    dilated, ungrouped convolutions are checked (the blocked models were fitted on the others). Below
+    AVX2 (:data:`SSE41`) every dense 2-d convolution's backward passes are GEMM."""
     dil = ints(dilation, 2)
     depthwise = groups > 1 and w.shape[1] == 1 and w.shape[0] == groups
     if len(x.shape) == 4 and isa() == SSE41 and not depthwise:
