@@ -147,9 +147,7 @@ def report(rows: list[dict[str, Any]], calibrate: bool) -> None:
         f"torch {torch.__version__}, torchvision {torchvision.__version__}, CPU: {cpu_model() or 'unknown'}, "
         f"{torch.get_num_threads()} threads, torch capability {torch.backends.cpu.get_cpu_capability()}, "
         f"kernel models' ISA {cpu_isa()}"
-        + "".join(
-            f", {k}={os.environ[k]}" for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA") if k in os.environ
-        )
+        + "".join(f", {k}={os.environ[k]}" for k in CAPS if k in os.environ)
         + "\n"
     )
     if calibrate:
