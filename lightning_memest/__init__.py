@@ -10,22 +10,21 @@ Example:
 
 from typing import TYPE_CHECKING, Any
 
-from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
-from lightning_memest.engine.distributed import DDP, FSDP
-from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError, SpecError, TraceError
-from lightning_memest.estimate import estimate_step
-from lightning_memest.report import (
-    Breakdown,
-    DataDependentRead,
-    ModuleStats,
-    Peak,
-    StepEstimate,
-    TimelinePoint,
-)
-from lightning_memest.search import BatchSizeResult, max_batch_size
-
 if TYPE_CHECKING:
+    from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
     from lightning_memest.adapter import FitBatchSize, MemEstimate
+    from lightning_memest.engine.distributed import DDP, FSDP
+    from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError, SpecError, TraceError
+    from lightning_memest.estimate import estimate_step
+    from lightning_memest.report import (
+        Breakdown,
+        DataDependentRead,
+        ModuleStats,
+        Peak,
+        StepEstimate,
+        TimelinePoint,
+    )
+    from lightning_memest.search import BatchSizeResult, max_batch_size
 
 __all__ = [
     "DDP",
@@ -50,19 +49,41 @@ __all__ = [
 ]
 __version__ = "0.1.0.dev0"
 
-#: The Lightning callbacks, imported when first asked for: importing Lightning takes seconds, and the
-#: ``memest`` command line and ``estimate_step`` do not need it.
-_ADAPTER = ("FitBatchSize", "MemEstimate")
+#: Where each public name lives. Each is imported when first asked for (PEP 562): torch takes seconds
+#: to import and Lightning more, and ``import lightning_memest`` should cost neither until a name that
+#: needs them is used (``memest --help`` needs none; ``estimate_step`` does without Lightning).
+_LAZY = {
+    "DDP": "lightning_memest.engine.distributed",
+    "FSDP": "lightning_memest.engine.distributed",
+    "BatchSizeResult": "lightning_memest.search",
+    "Breakdown": "lightning_memest.report",
+    "CudaCachingAllocator": "lightning_memest.accounting.cuda_allocator",
+    "DataDependentRead": "lightning_memest.report",
+    "EstimationError": "lightning_memest.errors",
+    "FitBatchSize": "lightning_memest.adapter",
+    "MemEstimate": "lightning_memest.adapter",
+    "MemestError": "lightning_memest.errors",
+    "MemoryBudgetError": "lightning_memest.errors",
+    "ModuleStats": "lightning_memest.report",
+    "Peak": "lightning_memest.report",
+    "SpecError": "lightning_memest.errors",
+    "StepEstimate": "lightning_memest.report",
+    "TimelinePoint": "lightning_memest.report",
+    "TraceError": "lightning_memest.errors",
+    "estimate_step": "lightning_memest.estimate",
+    "max_batch_size": "lightning_memest.search",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name in _ADAPTER:
-        from lightning_memest import adapter
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
 
-        globals()[name] = value = getattr(adapter, name)
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value = getattr(importlib.import_module(module), name)
+    return value
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_ADAPTER})
+    return sorted({*globals(), *_LAZY})
