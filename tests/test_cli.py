@@ -16,6 +16,7 @@ import torch
 
 import lightning_memest.cases as cases
 import lightning_memest.cli.commands as commands
+import lightning_memest.cli.parser as parser_module
 from lightning_memest.cases import InputSpec, build_case, build_model
 from lightning_memest.cli import main
 from lightning_memest.errors import EstimationError, SpecError
@@ -172,6 +173,129 @@ def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "estimate", "--help")
     assert code == 0
     assert "--input-shape" in out and "--model-kwargs" in out
+    # MODEL is code that runs: the help says so.
+    assert "MODEL is imported and called: it runs that code" in " ".join(out.split())
+
+
+# ------------------------------------------------------- hostile input, through the real command
+
+
+def memest(*argv: str, cwd: Path = TESTS, script: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m lightning_memest.cli ARGV`` (or the console ``script``) in a fresh process, from
+    ``cwd``, as a user runs it."""
+    command = [script] if script else [sys.executable, "-m", "lightning_memest.cli"]
+    env = {k: v for k, v in os.environ.items() if k != "MEMEST_DEBUG"}
+    return subprocess.run([*command, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def assert_usage_error(proc: subprocess.CompletedProcess[str], message: str) -> None:
+    """What a user sees of a bad input: exit 2, nothing on stdout, one short line on stderr."""
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("memest: error: ") and message in lines[0], lines[0]
+    assert len(lines[0]) < 300  # a pasted number is not repeated in full
+
+
+HUGE = "1" + "0" * 25  # past int64: torch failed on it with "unexpected TypeError ... Overflow" (exit 1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["estimate", *MLP, "--batch-size", HUGE],
+         "argument --batch-size: must be at most 2147483647 (2**31-1, a tensor dimension)"),
+        (["max-batch-size", *MLP, "--memory-budget", "1GiB", "--batch-size", HUGE],
+         "argument --batch-size: must be at most 2147483647"),
+        (["max-batch-size", *MLP, "--memory-budget", "1GiB", "--max-batch-size", HUGE],
+         "argument --max-batch-size: must be at most 2147483647"),
+        (["estimate", "cli_models:TinyLM", "--tokens", HUGE, "--vocab", "50"],
+         "argument --tokens: must be at most 2147483647 (2**31-1, a tensor dimension)"),
+        (["estimate", "cli_models:TinyLM", "--tokens", "4", "--vocab", HUGE],
+         "argument --vocab: must be at most"),
+        (["estimate", "cli_models:TinyMLP", "--input-shape", f"4,{HUGE}"],
+         "argument --input-shape: each size must be at most 2147483647"),
+        (["estimate", *MLP, "--strategy", "fsdp", "--world-size", HUGE],
+         "argument --world-size: must be at most 65536 (2**16 ranks)"),
+        (["profile", *MLP, "--top", HUGE], "argument --top: must be at most 2147483647"),
+        (["estimate", *MLP, "--strategy", "ddp", "--world-size", "2", "--bucket-cap-mb", "1e308"],
+         "argument --bucket-cap-mb: must be at most 1048576 (1 TiB)"),
+        (["estimate", *MLP, "--device", "cuda", "--cuda-capability", f"{HUGE}.0"],
+         "argument --cuda-capability: MAJOR and MINOR must be at most 99"),
+        (["estimate", *MLP, "--device", "cuda", "--gpu-memory", "1e30"],
+         "argument --gpu-memory: must be at most 1024TiB (1152921504606846976 bytes)"),
+        (["max-batch-size", *MLP, "--memory-budget", "1e300"],
+         "argument --memory-budget: must be at most 1024TiB"),
+        # Past Python's 4300 digits int() refuses; the message does not repeat the 5000.
+        (["estimate", *MLP, "--batch-size", "9" * 5000], "argument --batch-size: invalid int value: '9999"),
+    ],
+)  # fmt: skip
+def test_huge_numbers_are_usage_errors(argv: list[str], message: str) -> None:
+    assert_usage_error(memest(*argv), message)
+
+
+@pytest.mark.parametrize(
+    ("argv", "limit"),
+    [
+        (["estimate", "m:M", "--input-shape", "4", "--batch-size", "{}"], 2**31 - 1),
+        (["estimate", "m:M", "--vocab", "5", "--tokens", "{}"], 2**31 - 1),
+        (["estimate", "m:M", "--tokens", "4", "--vocab", "{}"], 2**31 - 1),
+        (["estimate", "m:M", "--input-shape", "3,{}"], 2**31 - 1),
+        (["estimate", "m:M", "--input-shape", "4", "--strategy", "ddp", "--world-size", "{}"], 2**16),
+        (["max-batch-size", "m:M", "--input-shape", "4", "--memory-budget", "1", "--max-batch-size", "{}"],
+         2**31 - 1),
+        (["profile", "m:M", "--input-shape", "4", "--top", "{}"], 2**31 - 1),
+    ],
+)  # fmt: skip
+def test_each_limit_is_the_largest_value_taken(
+    capsys: pytest.CaptureFixture[str], argv: list[str], limit: int
+) -> None:
+    parser = parser_module.build_parser()
+    parser.parse_args([a.format(limit) for a in argv])
+    with pytest.raises(SystemExit):
+        parser.parse_args([a.format(limit + 1) for a in argv])
+    assert f"must be at most {limit}" in capsys.readouterr().err
+
+
+def test_deeply_nested_model_kwargs_are_a_spec_error(capsys: pytest.CaptureFixture[str]) -> None:
+    too_deep = "--model-kwargs is nested too deep: at most 100 levels of arrays and objects"
+    # Through the command (one argument holds at most 128 KiB on Linux): past the JSON parser's
+    # recursion limit, the RecursionError was "unexpected" (exit 1).
+    assert_usage_error(memest("estimate", *MLP, "--model-kwargs", "[" * 60_000 + "]" * 60_000), too_deep)
+    assert_usage_error(memest("estimate", *MLP, "--model-kwargs", '{"a":' * 20_000 + "1" + "}" * 20_000),
+                       too_deep)  # fmt: skip
+    # In-process, 10**5 deep; and at the limit (parsed, then rejected by the model) and one past it.
+    for text, message in [
+        ('{"a":' * 100_000 + "1" + "}" * 100_000, too_deep),
+        ('{"a":' * 101 + "1" + "}" * 101, too_deep),
+        ('{"a":' * 100 + "1" + "}" * 100, "unexpected keyword argument 'a'"),
+    ]:
+        code, out, err = run(capsys, "estimate", *MLP, "--model-kwargs", text)
+        assert (code, out) == (2, "") and len(err.splitlines()) == 1 and message in err, err[:300]
+
+
+def test_the_current_directory_never_shadows_an_installed_package(tmp_path: Path) -> None:
+    pytest.importorskip("torchvision")
+    # A project directory with a torchvision.py of its own (that must not be imported) beside the model.
+    (tmp_path / "torchvision.py").write_text(
+        "raise ImportError('the torchvision.py of the cwd was imported')\n"
+    )
+    (tmp_path / "mymodel.py").write_text(
+        "import torchvision\n"
+        "from torchvision.ops import MLP\n\n"
+        "assert torchvision.__file__.endswith('__init__.py'), torchvision.__file__\n\n"
+        "def Net():\n"
+        "    return MLP(4, [8, 2])\n"
+    )
+    argv = ["estimate", "mymodel:Net", "--input-shape", "4", "--json"]
+    procs = [memest(*argv, cwd=tmp_path)]  # python -m put the directory first: moved last
+    script = _console_script()
+    if script is not None:
+        procs.append(memest(*argv, cwd=tmp_path, script=script))  # memest: the directory appended
+    for proc in procs:
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["peak_bytes"]["first_step"] > 0
 
 
 # ------------------------------------------------------------------------------------------ outputs
@@ -474,7 +598,81 @@ def test_compare_fails_only_when_every_model_fails(capsys: pytest.CaptureFixture
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "--version")
     assert code == 0
-    assert out.startswith("memest 0.") and "torch " in out and "lightning " in out
+    assert out.startswith("memest 0.") and "lightning " in out
+    assert f"(torch {torch.__version__}," in out  # read without importing torch, its +cu/+cpu tag kept
+
+
+# ------------------------------------------------------------------------------------------ startup
+
+#: Run in a fresh process: what answers without torch (or Lightning), and the package's lazy names.
+TORCH_FREE = """
+import json, sys
+from lightning_memest.cli import main
+
+def heavy():
+    return sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "lightning", "pytorch_lightning"))
+
+for argv, expected in json.loads(sys.argv[1]):
+    code = main(argv)
+    assert code == expected, f"memest {' '.join(argv)} exited {code}"
+    assert not heavy(), f"memest {' '.join(argv)} imported {heavy()[:3]}"
+import lightning_memest
+assert not heavy(), f"import lightning_memest imported {heavy()[:3]}"
+assert set(lightning_memest.__all__) <= set(dir(lightning_memest))
+from lightning_memest import StepEstimate, estimate_step
+from lightning_memest.report import StepEstimate as defined
+assert StepEstimate is defined and lightning_memest.estimate_step is estimate_step
+for name in set(lightning_memest.__all__) - {"FitBatchSize", "MemEstimate"}:  # those: test_packaging
+    getattr(lightning_memest, name)
+try:
+    lightning_memest.nope
+except AttributeError:
+    pass
+else:
+    raise AssertionError("lightning_memest.nope")
+"""
+
+
+def test_help_version_and_usage_errors_import_no_torch() -> None:
+    # Importing torch takes seconds (benchmarks/cli_startup.py times it): memest answers these without.
+    runs = [
+        (["--help"], 0),
+        (["estimate", "--help"], 0),
+        (["max-batch-size", "--help"], 0),
+        (["--version"], 0),
+        (["estimate"], 2),
+        (["bogus"], 2),
+        (["estimate", *MLP, "--batch-size", HUGE], 2),
+        (["estimate", *MLP, "--precision", "64-true"], 2),
+        (["estimate", "cli_models:TinyMLP"], 2),
+    ]
+    proc = subprocess.run([sys.executable, "-c", TORCH_FREE, json.dumps(runs)], cwd=TESTS,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: memest" in proc.stdout and "memest: error: " in proc.stderr
+    # And `python -m lightning_memest.cli --help` (its __main__) the same: no torch among its imports.
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "lightning_memest.cli", "--help"],
+                          cwd=TESTS, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0 and "usage: memest" in proc.stdout, proc.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert "lightning_memest.cli.parser" in imported and "torch" not in imported
+
+
+def test_the_parser_s_choices_are_the_library_s() -> None:
+    # One definition each, in lightning_memest.constants (torch-free, for the parser); where the
+    # library still spells one itself, it must say the same.
+    from lightning_memest import constants, fx, search, tables
+    from lightning_memest.engine import distributed, inference_step, step
+
+    assert step.PRECISIONS == constants.PRECISIONS
+    assert (cases.LOSSES, cases.OPTIMIZERS) == (constants.LOSSES, constants.OPTIMIZERS)
+    assert (cases.DEFAULT_BATCH_SIZE, cases.DEFAULT_LOSS, cases.DEFAULT_OPTIMIZER) == (
+        constants.DEFAULT_BATCH_SIZE, constants.DEFAULT_LOSS, constants.DEFAULT_OPTIMIZER
+    )  # fmt: skip
+    assert distributed.STRATEGIES == constants.STRATEGIES
+    assert inference_step.LOOPS == constants.LOOPS
+    assert search.DEFAULT_CAP == constants.DEFAULT_CAP
+    assert fx.NODE_ORDERS == constants.NODE_ORDERS and tables.MODULE_ORDERS == constants.MODULE_ORDERS
 
 
 # ------------------------------------------------------------------------------------------- profile

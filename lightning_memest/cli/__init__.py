@@ -25,8 +25,13 @@ Every JSON value has ``"approximate"`` (a CUDA what-if on a machine without a GP
 one line of progress on stderr when stderr is a terminal and the output is not ``--json``;
 ``memest --version`` prints the releases in use.
 
-``MODEL`` is ``package.module:name`` (the current directory is importable); see
-:mod:`lightning_memest.cases` for how models, inputs, losses and optimizers are made.
+``MODEL`` is ``package.module:name``, imported and called: it runs that code, as ``python -m`` does.
+The current directory is importable, after the installed packages (a ``torchvision.py`` there does not
+shadow torchvision); see :mod:`lightning_memest.cases` for how models, inputs, losses and optimizers
+are made.
+
+``--help``, ``--version`` and a usage error import no torch (seconds): the parser is torch-free, and
+the command imports the library only once its arguments are read.
 
 Exit status: 0 on success; 2 on bad input (an unknown model, a bad flag, an input the model rejects)
 and when the estimator cannot simulate the step (:class:`~lightning_memest.errors.MemestError`), with
@@ -46,7 +51,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-from lightning_memest.cli.commands import COMMANDS
 from lightning_memest.cli.parser import PROG, build_parser, settings
 from lightning_memest.errors import MemestError, one_line
 
@@ -67,14 +71,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help exits 0, usage errors 2; return rather than exit when called in-process
         return e.code if isinstance(e.code, int) else 2
-    # `memest estimate mymodel:Net` run from a project directory should find mymodel.py there, as
-    # `python -m` would; the console script's sys.path does not hold the current directory.
+    # `memest estimate mymodel:Net` run from a project directory should find mymodel.py there; the
+    # console script's sys.path does not hold the current directory. Last, so that a file there never
+    # shadows an installed package (a torchvision.py beside the model).
     # (The profiler's own chatter on stderr is silenced where the library starts it: allocator_events.)
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:
-        sys.path.insert(0, cwd)
+        sys.path.append(cwd)
     try:
+        from lightning_memest.cli.commands import COMMANDS  # the library, torch with it
+
         COMMANDS[args.command](settings(args), sys.stdout)
         sys.stdout.flush()
     except BrokenPipeError:
