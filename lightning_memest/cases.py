@@ -36,7 +36,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,13 @@ from torch import Tensor, nn
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.batches import resize_batch
 from lightning_memest.case_input import output_shape
+from lightning_memest.constants import (
+    DEFAULT_BATCH_SIZE,
+    DEFAULT_LOSS,
+    DEFAULT_OPTIMIZER,
+    LOSSES,
+    OPTIMIZERS,
+)
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.inference_step import PlainLoop
 from lightning_memest.engine.real_path import VALUE_LIMIT
@@ -81,18 +88,6 @@ __all__ = [
     "measure_case",
     "resolve_model",
 ]
-
-LossName = Literal["cross_entropy", "sum"]
-OptimizerName = Literal["sgd", "adam", "adamw", "none"]
-LOSSES: tuple[str, ...] = get_args(LossName)
-OPTIMIZERS: tuple[str, ...] = get_args(OptimizerName)
-
-#: Small enough to estimate and measure most vision models on a laptop CPU in seconds.
-DEFAULT_BATCH_SIZE = 8
-DEFAULT_LOSS: LossName = "cross_entropy"
-#: Adam, because it is what most training runs use and because its state (two buffers per parameter,
-#: created inside the first ``step()``) is what makes the first step differ from the steady state.
-DEFAULT_OPTIMIZER: OptimizerName = "adam"
 
 
 # --------------------------------------------------------------------------------------------- models

@@ -6,10 +6,11 @@ backward, allocates and computes in one training step, as rows, JSON and a text 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import torch.fx
 
+from lightning_memest.constants import NODE_ORDERS
 from lightning_memest.report import format_bytes, human_flops, render_columns
 
 __all__ = ["NODE_ORDERS", "GraphProfile", "GraphTotals", "NodeProfile"]
@@ -57,22 +58,6 @@ class GraphTotals:
     bwd_flops: int
     fwd_other_flops: int
     bwd_other_flops: int
-
-
-#: ``by`` values of :meth:`GraphProfile.table` / :meth:`GraphProfile.rows`: ``graph`` keeps the graph's
-#: order; the others sort by that figure, largest first.
-NODE_ORDERS: Final = (
-    "graph",
-    "saved",
-    "fwd_in",
-    "fwd_tmp",
-    "fwd_out",
-    "bwd_tmp",
-    "bwd_out",
-    "flops",
-    "fwd_flops",
-    "bwd_flops",
-)
 
 
 @dataclass(frozen=True, repr=False)

@@ -43,6 +43,7 @@ from torch import nn
 
 from lightning_memest.accounting import PeakProfile, capture_filter, peak_profile
 from lightning_memest.accounting.cuda_device import CudaDevice
+from lightning_memest.constants import DEFAULT_CAP
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.simulate import Simulation, simulate
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
@@ -62,9 +63,6 @@ __all__ = [
     "search_steps",
 ]
 
-#: The largest batch size the search considers: far beyond any real batch, small enough that the
-#: bisection ends in at most 20 steps.
-DEFAULT_CAP = 2**20
 
 #: Called after each probe with ``(batch_size, peak_bytes)``: progress for slow searches.
 Progress = Callable[[int, int], None]

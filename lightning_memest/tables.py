@@ -7,13 +7,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any, Final
 
+from lightning_memest.constants import MODULE_ORDERS
 from lightning_memest.report import ModuleStats, format_bytes, human_flops, render_columns
 
 __all__ = ["MODULE_ORDERS", "module_rows", "module_table"]
 
-
-#: ``by`` values of :func:`module_rows` / :func:`module_table`: ``tree`` is depth-first module order.
-MODULE_ORDERS: Final = ("tree", "saved", "parameters", "forward_peak", "backward_peak", "flops")
 
 _MODULE_SORT: Final[Mapping[str, Callable[[ModuleStats], int]]] = {
     "saved": lambda m: m.saved_bytes,

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
+from lightning_memest.constants import STRATEGIES
 from lightning_memest.errors import EstimationError
 
 __all__ = [
@@ -105,7 +106,6 @@ class FSDP:
 
 
 Strategy = DDP | FSDP
-STRATEGIES = ("ddp", "fsdp")
 
 
 def _check_ranks(world_size: int, rank: int) -> None:

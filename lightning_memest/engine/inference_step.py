@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
+from lightning_memest.constants import LOOPS, PlainLoop
 from lightning_memest.engine.distributed import DDP, Strategy, wrap
 from lightning_memest.engine.events import Phase
 from lightning_memest.engine.step import (
@@ -38,10 +39,6 @@ from lightning_memest.engine.step import (
 )
 
 __all__ = ["LOOPS", "InferenceRunner", "PlainLoop", "loop_runner", "wrap_for_inference"]
-
-#: What a plain model's batch does: a training step, a validation batch, a predict batch.
-PlainLoop = Literal["train", "validate", "predict"]
-LOOPS: tuple[PlainLoop, ...] = get_args(PlainLoop)
 
 
 class InferenceRunner:

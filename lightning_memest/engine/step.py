@@ -20,11 +20,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
+from lightning_memest.constants import PRECISIONS, Precision
 from lightning_memest.engine.distributed import Strategy, wrap
 from lightning_memest.engine.events import Phase
 
@@ -49,8 +50,6 @@ __all__ = [
     "true_dtype",
 ]
 
-Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
-PRECISIONS: tuple[str, ...] = get_args(Precision)
 
 #: ``loss_fn(model, batch) -> loss``: forward and loss; the runner does the rest of the step.
 LossFn = Callable[[nn.Module, Any], Tensor]
