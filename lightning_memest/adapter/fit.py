@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -26,17 +26,17 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
 
-from lightning_memest.accounting import account, capture_filter
-from lightning_memest.accounting.kernels.calibrate import calibrate as calibrate_kernels
+from lightning_memest.accounting import capture_filter
+from lightning_memest.adapter.batch_index import IndexReads
 from lightning_memest.adapter.runner import LightningRunner
 from lightning_memest.adapter.weight_averaging import WeightAveragingMirror
-from lightning_memest.batches import batch_size_of, resize_batch
 from lightning_memest.engine.distributed import DDP, Strategy, fsdp_like
 from lightning_memest.engine.simulate import Simulation, simulate
 from lightning_memest.engine.step import Precision, StepConfig, StepListener, check_precision
 from lightning_memest.errors import EstimationError
 from lightning_memest.report import StepEstimate
-from lightning_memest.search import DEFAULT_CAP, BatchSizeResult, Progress, search_steps
+from lightning_memest.search import DEFAULT_CAP, BatchSizeResult, Progress
+from lightning_memest.sizing import Calibrate, SizedStep
 
 __all__ = ["FitSetup", "dataset_length", "first_batch", "fit_setup", "train_loader"]
 
@@ -64,6 +64,11 @@ class FitSetup:
     applied: a batch from ``on_train_batch_start``), not as the dataloader yields it."""
     averaging: WeightAveragingMirror | None = None
     """The trainer's weight-averaging callbacks, whose update runs after each simulated batch."""
+    batch_indices: tuple[int, ...] = (0,)
+    """The ``batch_idx`` of each simulated step's batch (the last repeats): the index Lightning gave
+    the batch in hand, never a later one (``adapter/batch_index.py``)."""
+    index_reads: IndexReads = field(default_factory=IndexReads)
+    """Whether a simulated step's code read its ``batch_idx``."""
 
     def runner(self, module: nn.Module, config: StepConfig, listener: StepListener) -> LightningRunner:
         """The engine's runner factory: the fit loop's order of things, for ``module``."""
@@ -80,6 +85,8 @@ class FitSetup:
             strategy=config.strategy,
             transferred=self.transferred,
             batch_end=self.averaging.on_batch_end if self.averaging is not None else None,
+            batch_indices=self.batch_indices,
+            index_reads=self.index_reads,
         )
 
     def simulate(
@@ -110,11 +117,37 @@ class FitSetup:
                 companions=averaging.companions if averaging is not None else (),
             )
 
+    def sized(
+        self,
+        *,
+        steps: int = 2,
+        calibrate: Calibrate = False,
+        next_batches: Sequence[Any] = (),
+        residents: Sequence[Tensor] = (),
+    ) -> SizedStep:
+        """``steps`` training batches like :attr:`batch` (then ``next_batches``) with ``residents``
+        alive beside them, the batch size left open: its ``estimate_at()`` is :meth:`estimate`, its
+        ``largest_batch(budget)`` the largest batch size whose estimate, made the same way, fits."""
+
+        def run(
+            batch: Any, *, flops: bool, calibrate: bool, next_batches: Sequence[Any] = next_batches
+        ) -> Simulation:
+            return self.simulate(
+                batch,
+                steps=steps,
+                flops=flops,
+                calibrate=calibrate,
+                next_batches=next_batches,
+                residents=residents,
+            )
+
+        return SizedStep(run, self.batch, calibrate=calibrate, next_batches=next_batches)
+
     def estimate(
         self,
         *,
         steps: int = 2,
-        calibrate: bool | Literal["cached"] = False,
+        calibrate: Calibrate = False,
         next_batches: Sequence[Any] = (),
         residents: Sequence[Tensor] = (),
     ) -> StepEstimate:
@@ -123,46 +156,41 @@ class FitSetup:
         precision, accumulation and clipping, with ``residents`` alive beside them; with ``calibrate``,
         the kernels' memory measured on the device the trainer trains on
         (``accounting.kernels.calibrate``; ``"cached"``: what the cache knows, nothing run)."""
-        sim = self.simulate(
-            self.batch,
-            steps=steps,
-            calibrate=bool(calibrate),
-            next_batches=next_batches,
-            residents=residents,
-        )
-        calibration = calibrate_kernels(sim, measure=calibrate is True) if calibrate else None
-        return account(sim, calibration=calibration)
+        return self.sized(
+            steps=steps, calibrate=calibrate, next_batches=next_batches, residents=residents
+        ).estimate_at()
 
     def max_batch_size(
         self,
         budget_bytes: int,
         *,
-        batch_size: int | None = None,
         cap: int = DEFAULT_CAP,
         progress: Progress | None = None,
-        calibrate: bool = False,
+        calibrate: Calibrate = False,
+        residents: Sequence[Tensor] = (),
     ) -> BatchSizeResult:
-        """:func:`~lightning_memest.search.max_batch_size` for the module as this fit trains it: the
-        tensors of :attr:`batch` whose leading size is ``batch_size`` (default: ``batch_size_of`` the
-        batch) are resized on the meta device for each probe, and the module's own ``training_step``
-        runs; ``calibrate``: the kernels measured on the device (``search.search_steps``)."""
-        old = batch_size_of(self.batch) if batch_size is None else batch_size
-
-        def simulate_at(n: int) -> Simulation:
-            return self.simulate(resize_batch(self.batch, old, n), flops=False, calibrate=calibrate)
-
-        return search_steps(
-            simulate_at, budget_bytes, start=old, cap=cap, progress=progress, calibrate=calibrate
+        """The largest batch size whose estimate fits ``budget_bytes``, for the module as this fit trains
+        it (``SizedStep.largest_batch`` of :meth:`sized`): the tensors of :attr:`batch` of its leading
+        size are resized on the meta device for each probe, the module's own ``training_step`` runs,
+        with ``residents`` alive beside it; ``calibrate``: the kernels measured on the device."""
+        return self.sized(calibrate=calibrate, residents=residents).largest_batch(
+            budget_bytes, cap=cap, progress=progress
         )
 
 
 def fit_setup(
-    trainer: pl.Trainer, module: pl.LightningModule, batch: Any = None, *, transferred: bool = False
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    batch: Any = None,
+    *,
+    transferred: bool = False,
+    batch_indices: Sequence[int] = (0,),
 ) -> FitSetup:
     """Read what the simulation needs from ``trainer`` and its ``module`` (attached: from ``setup`` on):
     the settings, and a training batch (``batch``, or else the first of the train dataloader, see
-    :func:`first_batch`; ``transferred``: ``batch`` is as the step gets it). An ``EstimationError`` for
-    what it cannot simulate (a precision, a sharded strategy)."""
+    :func:`first_batch`; ``transferred``: ``batch`` is as the step gets it; ``batch_indices``: the
+    ``batch_idx`` of each simulated step's batch). An ``EstimationError`` for what it cannot simulate
+    (a precision, a sharded strategy)."""
     return FitSetup(
         module=module,
         batch=first_batch(trainer, module) if batch is None else batch,
@@ -174,6 +202,7 @@ def fit_setup(
         gradient_clip_algorithm=trainer.gradient_clip_algorithm,
         step_context=trainer.precision_plugin.train_step_context,
         averaging=WeightAveragingMirror.of(trainer),
+        batch_indices=tuple(batch_indices),
     )
 
 

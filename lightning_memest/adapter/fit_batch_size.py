@@ -13,10 +13,11 @@ from typing_extensions import override
 from lightning_memest.adapter.fit import dataset_length, first_batch, fit_setup, train_loader
 from lightning_memest.adapter.gloo_exit import settle_gloo_workers_at_exit
 from lightning_memest.batches import batch_size_of
-from lightning_memest.budget import device_budget, parse_size
+from lightning_memest.budget import device_budget
 from lightning_memest.errors import MemestError, MemoryBudgetError
 from lightning_memest.measure import module_tensors, resident_bytes
 from lightning_memest.search import DEFAULT_CAP, BatchSizeResult
+from lightning_memest.sizes import MemoryBudget
 
 __all__ = ["FitBatchSize"]
 
@@ -34,8 +35,9 @@ class FitBatchSize(Callback):
     is dropped so that it is rebuilt.
 
     Args:
-        budget: bytes (or a size such as ``"10GiB"``) for the estimated peak; ``None``: what the
-            device has (``lightning_memest.budget.device_budget``, with its margin model).
+        budget: bytes (or a size such as ``"10GiB"``, or ``"80%"`` of what the device has) for the
+            estimated peak; ``None``: what the device has (``lightning_memest.budget.device_budget``,
+            with its margin model).
         margin: the fraction of the budget kept back for safety (0.1: the peak stays within 90 %).
         attr_name: where the batch size lives (``lightning_getattr``'s names).
         max_batch_size: the largest batch size considered; never more than the length of the train
@@ -68,7 +70,7 @@ class FitBatchSize(Callback):
     ) -> None:
         if not 0 <= margin < 1:
             raise ValueError(f"margin must be in [0, 1); got {margin}")
-        self.budget = parse_size(budget) if isinstance(budget, str) else budget
+        self.budget = MemoryBudget.parse(budget) if budget is not None else None
         self.margin = margin
         self.attr_name = attr_name
         self.max_batch_size = max_batch_size
@@ -76,14 +78,16 @@ class FitBatchSize(Callback):
         self.result: BatchSizeResult | None = None
 
     def _budget(self, trainer: pl.Trainer, module: pl.LightningModule) -> int:
-        if self.budget is not None:
-            budget = self.budget
+        if self.budget is not None and self.budget.bytes is not None:
+            budget = self.budget.bytes
         else:
             device = trainer.strategy.root_device
             # On CPU the weights already take host memory that MemAvailable no longer shows, and the
             # estimate counts them: give them back. (On CUDA the allocator's reserved bytes do that.)
             resident = resident_bytes(module_tensors(module)) if device.type == "cpu" else 0
             budget = device_budget(device, resident_bytes=resident)
+            if self.budget is not None:
+                budget = self.budget.of(budget)
         return int(budget * (1.0 - self.margin))
 
     @override
@@ -108,7 +112,7 @@ class FitBatchSize(Callback):
         # partial batch of all the samples).
         length = dataset_length(loader) if loader is not None else None
         cap = self.max_batch_size if length is None else max(1, min(self.max_batch_size, length))
-        result = fit.max_batch_size(budget, batch_size=seen, cap=cap)
+        result = fit.max_batch_size(budget, cap=cap)
         self.result = result
         best = _min_over_ranks(trainer, result.max_batch_size)
         if best == 0:

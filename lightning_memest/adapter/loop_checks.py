@@ -25,7 +25,7 @@ Example (in a callback)::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
@@ -41,8 +41,10 @@ from lightning_memest.adapter.loops import LoopSetup, loop_name, loop_setup
 from lightning_memest.adapter.ranks import max_over_ranks
 from lightning_memest.batches import batch_size_of
 from lightning_memest.budget import what_runs
+from lightning_memest.engine.events import NO_OP
 from lightning_memest.measure import LiveTensorScan, StepProbe
 from lightning_memest.report import MeasuredStep, StepEstimate, format_bytes
+from lightning_memest.sizing import Calibrate, SizedStep
 
 __all__ = ["LoopChecks", "LoopStart", "loop_what"]
 
@@ -58,14 +60,21 @@ class LoopStart:
     """A loop's first batch, estimated: what the callback checks against the budget and logs."""
 
     def __init__(
-        self, name: str, setup: LoopSetup, estimate: StepEstimate, residents: Sequence[Tensor]
+        self,
+        name: str,
+        setup: LoopSetup,
+        estimate: StepEstimate,
+        residents: Sequence[Tensor],
+        sized: SizedStep,
     ) -> None:
         self.name = name
         """``sanity_check``, ``validate``, ``test`` or ``predict``."""
         self.setup = setup
         self.estimate = estimate
         self.residents = residents
-        """What else lived on the device (``resident_besides``): for a search at other batch sizes."""
+        """What else lived on the device (``resident_besides``)."""
+        self.sized = sized
+        """The estimate's step, its batch size left open: the pre-check's largest batch comes from it."""
 
 
 class LoopChecks:
@@ -142,7 +151,7 @@ class LoopChecks:
             )
 
         def search(budget_bytes: int) -> int:
-            return started.setup.max_batch_size(budget_bytes, residents=started.residents).max_batch_size
+            return started.sized.largest_batch(budget_bytes).max_batch_size
 
         device = started.setup.device
         budget.act(
@@ -192,16 +201,17 @@ class LoopChecks:
         self._tried.add(name)
         setup = loop_setup(trainer, module, loop, batch, dataloader_idx)
         # While a CPU profiler measures, calibration may not run one of its own: the cache answers.
-        calibrate: bool | Literal["cached"] = False
+        calibrate: Calibrate = False
         if self.calibrate:
             calibrate = "cached" if profiling else True
         # A scan of every live tensor, once (the trainer call's: a full collection only at its first).
         residents = resident_besides(trainer, module, batch, scan=self.scan)
-        estimate = setup.estimate(calibrate=calibrate, residents=residents)
-        if not estimate.peaks:
+        sized = setup.sized(calibrate=calibrate, residents=residents)
+        estimate = sized.estimate_at()
+        if all(p.op == NO_OP for p in estimate.peaks):
             return None  # the step ran no tensor op (it only logs, say): nothing to estimate or check
         self.estimates[name] = estimate
-        return LoopStart(name, setup, estimate, residents)
+        return LoopStart(name, setup, estimate, residents, sized)
 
     def _measure(
         self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, others: Sequence[Tensor]

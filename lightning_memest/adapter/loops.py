@@ -7,7 +7,8 @@ kept, and the training state that stays alive through the batch (inside ``fit``:
 last step and the optimizers' state, also after ``fit`` for a ``predict`` of the same trainer; during
 the sanity check, before any step: no state yet). Its
 :meth:`LoopSetup.estimate` is the batch's ``StepEstimate`` (one step: a forward pass),
-:meth:`LoopSetup.max_batch_size` the largest batch of this shape that fits a budget.
+:meth:`LoopSetup.sized` the same estimate with the batch size left open (the largest batch of this
+shape that fits a budget).
 
 Example (in a callback's ``on_validation_batch_start``)::
 
@@ -20,25 +21,23 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_memest.accounting import PeakProfile, account, capture_filter, peak_profile
-from lightning_memest.accounting.kernels.calibrate import calibrate as calibrate_kernels
+from lightning_memest.accounting import capture_filter
 from lightning_memest.adapter.eval_runner import STEP_METHODS, EvalRunner, Loop
 from lightning_memest.adapter.fit import _precision, _strategy
-from lightning_memest.batches import batch_size_of, resize_batch
 from lightning_memest.engine.events import Role
 from lightning_memest.engine.fake import local_tensor
 from lightning_memest.engine.simulate import Simulation, simulate
 from lightning_memest.engine.step import StepConfig, StepListener, optimizer_state_tensors
 from lightning_memest.errors import EstimationError
 from lightning_memest.report import StepEstimate
-from lightning_memest.search import DEFAULT_CAP, BatchSizeResult, Progress, search_batch_size
+from lightning_memest.sizing import Calibrate, SizedStep
 
 __all__ = ["LoopSetup", "loop_name", "loop_setup", "training_state"]
 
@@ -107,32 +106,20 @@ class LoopSetup:
             kept=self.kept,
         )
 
-    def estimate(
-        self, *, calibrate: bool | Literal["cached"] = False, residents: Sequence[Tensor] = ()
-    ) -> StepEstimate:
+    def sized(self, *, calibrate: Calibrate = False, residents: Sequence[Tensor] = ()) -> SizedStep:
+        """:attr:`batch` in this loop with ``residents`` alive beside it, the batch size left open: its
+        ``estimate_at()`` is :meth:`estimate`, its ``largest_batch(budget)`` the largest batch of this
+        shape (its leading size changed) whose estimate, made the same way, fits."""
+
+        def run(batch: Any, *, flops: bool, calibrate: bool) -> Simulation:
+            return self.simulate(batch, flops=flops, calibrate=calibrate, residents=residents)
+
+        return SizedStep(run, self.batch, calibrate=calibrate, loop=self.loop)
+
+    def estimate(self, *, calibrate: Calibrate = False, residents: Sequence[Tensor] = ()) -> StepEstimate:
         """The estimate of :attr:`batch` in this loop, with ``residents`` alive beside it; ``calibrate``
         as in ``FitSetup.estimate``."""
-        sim = self.simulate(self.batch, calibrate=bool(calibrate), residents=residents)
-        calibration = calibrate_kernels(sim, measure=calibrate is True) if calibrate else None
-        return account(sim, calibration=calibration, loop=self.loop)
-
-    def max_batch_size(
-        self,
-        budget_bytes: int,
-        *,
-        residents: Sequence[Tensor] = (),
-        cap: int = DEFAULT_CAP,
-        progress: Progress | None = None,
-    ) -> BatchSizeResult:
-        """The largest batch of :attr:`batch`'s shape (its leading size changed) whose peak in this loop
-        fits ``budget_bytes``."""
-        old = batch_size_of(self.batch)
-
-        def peak_of(n: int) -> PeakProfile:
-            resized = resize_batch(self.batch, old, n)
-            return peak_profile(self.simulate(resized, flops=False, residents=residents))
-
-        return search_batch_size(peak_of, budget_bytes, start=old, cap=cap, progress=progress)
+        return self.sized(calibrate=calibrate, residents=residents).estimate_at()
 
 
 def loop_setup(
