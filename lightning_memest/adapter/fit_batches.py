@@ -22,6 +22,7 @@ Example (in a callback)::
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -36,6 +37,7 @@ from lightning_memest.engine.real_path import VALUE_LIMIT
 from lightning_memest.engine.step import optimizer_state_tensors
 from lightning_memest.measure import LiveTensorScan, live_tensors, module_tensors, resident_bytes
 from lightning_memest.report import StepEstimate
+from lightning_memest.sizing import SizedStep
 
 __all__ = ["FitBatches", "batch_signature", "light_copy", "resident_at_start", "resident_besides"]
 
@@ -107,7 +109,11 @@ def resident_besides(
         mine = resident_bytes(t for t in known if t.device == device)
         other = torch.cuda.memory_allocated(device) - mine
         return [torch.empty(other, dtype=torch.uint8, device="meta")] if other > 0 else []
-    return (scan or live_tensors)(device, besides=known)
+    if scan is None:
+        return live_tensors(device, besides=known)
+    # Other tensors of under 1 % of the step's own resident bytes cannot move the estimate more than
+    # that, garbage among them or not: no full collection for them (LiveTensorScan).
+    return scan(device, besides=known, negligible=resident_bytes(known) // 100)
 
 
 def resident_at_start(
@@ -143,12 +149,27 @@ class FitBatches:
         self.first: Any = None
         """The first batch's light copy (:func:`light_copy`), once estimated."""
         self.reads_values = False
+        self.reads_index = False
+        """Whether the first estimate's step read its ``batch_idx``."""
+        self.scan_seconds = 0.0
+        """Wall seconds the latest estimate's scan for other live tensors took."""
+        self._first_index = 0
+        self.sized: SizedStep | None = None
+        """The latest estimate's step, its batch size left open: what the pre-check's largest batch
+        is searched over, so that it is the checked estimate's (until the next batch starts)."""
         self._others: tuple[Any, list[Tensor]] | None = None
         self._largest: list[tuple[int, ...]] | None = None
         self._estimated: dict[Signature, StepEstimate] = {}
 
-    def _fit(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, given: bool) -> FitSetup:
-        return fit_setup(trainer, module, batch, transferred=not given)
+    def _fit(
+        self,
+        trainer: pl.Trainer,
+        module: pl.LightningModule,
+        batch: Any,
+        given: bool,
+        indices: Sequence[int],
+    ) -> FitSetup:
+        return fit_setup(trainer, module, batch, transferred=not given, batch_indices=indices)
 
     def _calibration(self, measuring: bool) -> bool | Literal["cached"]:
         # While the CPU profiler measures a step, calibration may not run a profiler of its own.
@@ -164,41 +185,68 @@ class FitBatches:
         *,
         given: bool = False,
         measuring: bool = False,
+        batch_idx: int = 0,
     ) -> StepEstimate:
-        """Steps 1 and 2 on ``batch``: the batch in hand at the first ``on_train_batch_start``, or one
-        the user gave (``given``: as the dataloader would yield it)."""
-        fit = self._fit(trainer, module, batch, given)
-        residents = resident_besides(trainer, module, batch, scan=self.scan)
+        """Steps 1 and 2 on ``batch``: the batch in hand at the first ``on_train_batch_start`` (both
+        steps are given its ``batch_idx``), or one the user gave (``given``: as the dataloader would
+        yield it)."""
+        fit = self._fit(trainer, module, batch, given, (batch_idx,))
+        self._first_index = batch_idx
+        # A batch the user gave stays alive through the real steps (the callback holds it) beside the
+        # batches training gets: on its device it is one of the other tensors, as the measurement finds.
+        residents = self._scan(trainer, module, () if given else batch)
         self._others = None if given else (batch, residents)
-        estimate = fit.estimate(steps=2, calibrate=self._calibration(measuring), residents=residents)
+        estimate = self._estimate(
+            fit.sized(steps=2, calibrate=self._calibration(measuring), residents=residents)
+        )
         self.first = light_copy(batch)
         self.reads_values = estimate.reads_values
+        self.reads_index = fit.index_reads.read
         self._note(batch, estimate)
         return estimate
 
     def estimate_second(
-        self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, *, measuring: bool
+        self,
+        trainer: pl.Trainer,
+        module: pl.LightningModule,
+        batch: Any,
+        *,
+        measuring: bool,
+        batch_idx: int = 1,
     ) -> StepEstimate | None:
-        """Steps 1 and 2 on the first batch and ``batch``, where ``batch`` needs other memory than the
-        first (other shapes, or other values the step reads); ``None`` where it does not."""
+        """Steps 1 and 2 on the first batch and ``batch`` (with their own ``batch_idx``), where step 2
+        may need other memory than the estimate of the first batch said: other shapes, other values
+        the step reads, or a step that read its ``batch_idx``; ``None`` where it cannot."""
         first = self.first
-        if first is None:
+        if first is None or not self.needs_second(batch):
             return None
-        if batch_signature(batch) == batch_signature(first) and (
-            not self.reads_values or _same_values(first, batch)
-        ):
-            return None
-        fit = self._fit(trainer, module, first, False)  # (a copy of the batch in hand: transferred)
-        residents = resident_besides(trainer, module, batch, own=first, scan=self.scan)
+        # (a copy of the batch in hand: transferred)
+        fit = self._fit(trainer, module, first, False, (self._first_index, batch_idx))
+        residents = self._scan(trainer, module, batch, own=first)
         self._others = (batch, residents)
-        estimate = fit.estimate(
-            steps=2, calibrate=self._calibration(measuring), next_batches=[batch], residents=residents
+        estimate = self._estimate(
+            fit.sized(
+                steps=2, calibrate=self._calibration(measuring), next_batches=[batch], residents=residents
+            )
         )
         self._note(batch, estimate)
         return estimate
 
+    def needs_second(self, batch: Any) -> bool:
+        """Whether step 2, on ``batch``, may need other memory than the first estimate said: ``batch``
+        has other shapes, or other values where the step read values, or the step read its
+        ``batch_idx`` (the estimate gave step 2 the first batch's)."""
+        first = self.first
+        if first is None:
+            return False
+        return (
+            batch_signature(batch) != batch_signature(first)
+            or (self.reads_values and not _same_values(first, batch))
+            or self.reads_index
+        )
+
     def estimate_if_larger(
-        self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any
+        self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, batch_idx: int = 0
     ) -> StepEstimate | None:
         """The estimate of ``batch`` (its steady state is the last peak) where it is larger than any batch
         estimated so far in some dimension; ``None`` where it is not, or was estimated before."""
@@ -211,17 +259,31 @@ class FitBatches:
             for (shape, _), top in zip(signature, largest, strict=True)
         ):
             return None
-        fit = self._fit(trainer, module, batch, False)
-        residents = resident_besides(trainer, module, batch, scan=self.scan)
-        estimate = fit.estimate(steps=2, calibrate=self._calibration(False), residents=residents)
+        fit = self._fit(trainer, module, batch, False, (batch_idx,))
+        residents = self._scan(trainer, module, batch)
+        estimate = self._estimate(fit.sized(steps=2, calibrate=self._calibration(False), residents=residents))
         self._note(batch, estimate)
         return estimate
+
+    def _estimate(self, step: SizedStep) -> StepEstimate:
+        self.sized = step
+        return step.estimate_at()
+
+    def _scan(
+        self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, own: Any = ()
+    ) -> list[Tensor]:
+        start = time.perf_counter()
+        try:
+            return resident_besides(trainer, module, batch, own, scan=self.scan)
+        finally:
+            self.scan_seconds = time.perf_counter() - start
 
     def take_others(self, batch: Any) -> list[Tensor] | None:
         """The other live tensors an estimate of this very ``batch`` found, in this batch's start hook,
         for its measurement to start from without a second scan; ``None`` where none did. Called at
         every batch's start, so that no batch's tensors are held past it."""
         others, self._others = self._others, None
+        self.sized = None  # its residents are this batch's start's: not to be held past it
         return others[1] if others is not None and others[0] is batch else None
 
     def _note(self, batch: Any, estimate: StepEstimate) -> None:

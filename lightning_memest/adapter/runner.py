@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -31,6 +31,7 @@ import torch
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from torch import Tensor, nn
 
+from lightning_memest.adapter.batch_index import IndexReads, WatchedIndex
 from lightning_memest.engine.distributed import DDP, Strategy, wrap
 from lightning_memest.engine.events import Phase
 from lightning_memest.engine.fake import setattr_raw
@@ -75,6 +76,8 @@ class LightningRunner:
         strategy: Strategy | None = None,
         transferred: bool = False,
         batch_end: BatchEnd | None = None,
+        batch_indices: Sequence[int] = (0,),
+        index_reads: IndexReads | None = None,
     ) -> None:
         self.module = module
         self.listener = listener
@@ -89,6 +92,10 @@ class LightningRunner:
         self.steps_run = 0
         self.optimizer_steps = 0  # the trainer's global_step counts these
         self.batch_end = batch_end
+        # What the module's code is given as batch_idx: each step's batch's own index, never one that
+        # has not come yet (adapter/batch_index.py); accumulation follows the steps run.
+        self.batch_indices = tuple(batch_indices) or (0,)
+        self.index_reads = index_reads if index_reads is not None else IndexReads()
         self._current_phase = Phase.FORWARD
         self._toggled: dict[nn.Parameter, bool] = {}
         self._install_module_api()
@@ -209,7 +216,9 @@ class LightningRunner:
         self._phase(previous)
 
     def run(self, batch: Any) -> object:
-        batch_idx = self.steps_run
+        step = self.steps_run
+        index = self.batch_indices[min(step, len(self.batch_indices) - 1)]
+        batch_idx = WatchedIndex(index, self.index_reads)
         module = self.module
         self._phase(Phase.FORWARD)
         if not self.transferred:
@@ -218,24 +227,24 @@ class LightningRunner:
             with self.step_context():
                 output = self._training_step(batch, batch_idx)
         else:
-            output = self._automatic(batch, batch_idx)
+            output = self._automatic(batch, batch_idx, step)
         self.steps_run += 1
         if self.batch_end is not None:
             self._phase(Phase.OPTIMIZER)  # after the step, as other callbacks' on_train_batch_end
             self.batch_end(module, output, batch, batch_idx, self.optimizer_steps)
         return output
 
-    def _automatic(self, batch: Any, batch_idx: int) -> Tensor | None:
+    def _automatic(self, batch: Any, batch_idx: int, step: int) -> Tensor | None:
         module = self.module
         optimizer = self.optimizers[0] if self.optimizers else None
         with self.step_context():
             loss = _loss_of(self._training_step(batch, batch_idx))
-        if optimizer is not None and batch_idx % self.accumulate == 0:
+        if optimizer is not None and step % self.accumulate == 0:
             self._phase(Phase.ZERO_GRAD)
             module.optimizer_zero_grad(module.current_epoch, batch_idx, optimizer)
         if loss is not None:
             self._backward(loss / self.accumulate)  # as Lightning's ClosureResult, also when 1
-        accumulating = (batch_idx + 1) % self.accumulate != 0
+        accumulating = (step + 1) % self.accumulate != 0
         if optimizer is None or accumulating:
             return loss
         self._phase(Phase.OPTIMIZER)
@@ -245,8 +254,9 @@ class LightningRunner:
             optimizer, gradient_clip_val=self.clip_val, gradient_clip_algorithm=self.clip_algorithm
         )
         if self.scaler is not None:
-            self.scaler.step(optimizer)
-            self.scaler.update()
+            if loss is not None:  # Lightning's MixedPrecision skips the step where backward was skipped
+                self.scaler.step(optimizer)
+                self.scaler.update()
         else:
             optimizer.step()
         self.listener.on_optimizer_state(optimizer_state_tensors(optimizer))

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "NO_OP",
     "Alloc",
     "DataDependent",
     "Event",
@@ -132,6 +133,11 @@ class OpCall:
                 return self.kwargs[name]
             return argument.default_value if argument.has_default_value() else default
         return default
+
+
+#: The op name of the event that stands for a step that ran no op at all (a ``training_step`` that
+#: returned ``None`` at once): at the step's start, so that the step has a peak -- what was live then.
+NO_OP = "(no op)"
 
 
 @dataclass(frozen=True, slots=True)

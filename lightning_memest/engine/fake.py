@@ -13,6 +13,7 @@ keeps shared storages shared), meta and foreign tensors through ``from_meta_and_
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "local_tensor",
     "resident_tensors",
     "setattr_raw",
+    "swappable_fakes",
 ]
 
 
@@ -118,6 +120,30 @@ def fake_module(module: nn.Module, converter: FakeConverter) -> Iterator[nn.Modu
             if type(m) is not cls:
                 m.__class__ = cls  # fully_shard makes each unit an FSDPModule subclass
         reachable.restore()
+
+
+@contextmanager
+def swappable_fakes(mode: FakeTensorMode) -> Iterator[None]:
+    """Inside the block, a module's fake parameters can be converted in place, as a step may do to the
+    real ones (``self.to(memory_format=torch.channels_last)``): ``nn.Module._apply`` swaps a fake
+    parameter's contents with its converted copy (``torch.utils.swap_tensors``), which refuses a tensor
+    with a weak reference, and the fake mode's converter keeps one to every tensor it made (its memo,
+    for converting the same real tensor again -- done by then). Those are dropped before a swap."""
+    original = torch.utils.swap_tensors
+    memo = mode.fake_tensor_converter.tensor_memo
+
+    def swap(t1: Tensor, t2: Tensor) -> None:
+        for t in (t1, t2):
+            if isinstance(t, FakeTensor) and weakref.getweakrefcount(t):
+                for key in [k for k, v in memo.items() if v is t]:
+                    del memo[key]
+        original(t1, t2)  # type: ignore[no-untyped-call]
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
 
 
 def setattr_raw(module: nn.Module, name: str, value: Any) -> None:

@@ -3,6 +3,7 @@ backward), what autograd saves for backward, and storages resized behind the dis
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -102,5 +103,9 @@ def saved_tensor_tags(tracker: Tracker) -> Iterator[None]:
     def unpack(t: Tensor) -> Tensor:
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), warnings.catch_warnings():
+        # These hooks are the simulation's, not the user's: torch's notice that selective checkpointing
+        # bypasses saved-tensor hooks (it still tells the hooks nothing, so those saves are untagged)
+        # is not the user's business.
+        warnings.filterwarnings("ignore", message="A saved_tensors_hooks context", category=FutureWarning)
         yield

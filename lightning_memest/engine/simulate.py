@@ -28,7 +28,13 @@ from lightning_memest.engine.distributed import (
     untracked_sharding_propagation,
 )
 from lightning_memest.engine.events import DataDependent, Event, OpEvent, Role
-from lightning_memest.engine.fake import FakeConverter, fake_module, local_tensor, resident_tensors
+from lightning_memest.engine.fake import (
+    FakeConverter,
+    fake_module,
+    local_tensor,
+    resident_tensors,
+    swappable_fakes,
+)
 from lightning_memest.engine.hooks import module_scopes, saved_tensor_tags, storage_resizes
 from lightning_memest.engine.real_path import real_path
 from lightning_memest.engine.step import (
@@ -188,6 +194,7 @@ def simulate(
             stack.enter_context(fake_process_group(strategy))
             stack.enter_context(storage_resizes(tracker))
             stack.enter_context(untracked_sharding_propagation(mode.untracked))
+        stack.enter_context(swappable_fakes(mode))
         stack.enter_context(mode)
         stack.enter_context(module_scopes(model, tracker))
         stack.enter_context(saved_tensor_tags(tracker))
@@ -205,6 +212,7 @@ def simulate(
                     tracker.replace_inputs(list(iter_tensors(current)), list(iter_tensors(following)))
                     current = following
                 step.run(current)
+            tracker.end_step()
         except EstimationError:
             raise
         except Exception as exc:

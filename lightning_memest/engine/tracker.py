@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_memest.engine import data_dependent
 from lightning_memest.engine.events import (
+    NO_OP,
     Alloc,
     DataDependent,
     Event,
@@ -106,6 +107,9 @@ class Tracker:
         self.op_index = -1
         self.phase = Phase.SETUP
         self.step = 0
+        self._open_step: int | None = None  # the step whose phases are running
+        self._step_start = 0  # where its events begin
+        self._step_ran_op = False
         self._forward_stack: list[str] = []
         self._backward_stack: list[str] = []
         self._read_guard = ReadGuard()  # a loop on assumed reads must fail, not spin
@@ -197,10 +201,24 @@ class Tracker:
         return stack[-1] if stack else ""
 
     def on_phase(self, phase: Phase, step: int) -> None:
+        if phase is not Phase.SETUP and step != self._open_step:
+            self.end_step()
+            self._open_step, self._step_start, self._step_ran_op = step, len(self.events), False
         self.phase = phase
         self.step = step
         if phase is Phase.BACKWARD:
             self._backward_stack.clear()
+
+    def end_step(self) -> None:
+        """The step that is running has ended (the next one starts, or the simulation ends): where it
+        ran no op at all (a ``training_step`` that returned ``None`` at once), a :data:`NO_OP` event at
+        its start stands for it, so that it has a peak of its own -- what was live as it began."""
+        step, self._open_step = self._open_step, None
+        if step is None or self._step_ran_op:
+            return
+        self.op_index += 1
+        marker = OpEvent(self.op_index, step, Phase.FORWARD, "", NO_OP, None, None)
+        self.events.insert(self._step_start, marker)
 
     def on_gradients(self, grads: list[Tensor]) -> None:
         self.tag(grads, Role.GRADIENT)
@@ -306,6 +324,7 @@ class Tracker:
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ) -> None:
         self.op_index += 1
+        self._step_ran_op = True
         leaves = [out] if isinstance(out, Tensor) else [t for t in tree_leaves(out) if isinstance(t, Tensor)]
         capture = self._captured.get(func)
         if capture is None:
