@@ -1,6 +1,7 @@
-"""How much memory a device has for a training step, sizes as people write them, and the pre-check.
+"""How much memory a device has for a training step, and the pre-check.
 
-* :func:`parse_size` -- bytes from ``"10GiB"``, ``"1.5GB"``, ``"8g"``;
+* :func:`parse_size` -- bytes from ``"10GiB"``, ``"1.5GB"``, ``"8g"`` (``sizes.py``, with
+  :class:`~lightning_memest.sizes.MemoryBudget`: bytes, a size or ``"80%"`` of the device);
 * :func:`device_budget` -- the largest estimated peak that fits the memory a device has now;
 * :func:`precheck` -- whether an estimate fits a budget, with the sentence (and the
   :class:`~lightning_memest.errors.MemoryBudgetError`) that says so. ``MemEstimate`` calls these on fit
@@ -30,8 +31,6 @@ peak that fits.
 
 from __future__ import annotations
 
-import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ import torch
 from lightning_memest.errors import MemestError, MemoryBudgetError
 from lightning_memest.machine import mem_available
 from lightning_memest.report import StepEstimate, format_bytes
+from lightning_memest.sizes import MemoryBudget, parse_size
 
 __all__ = [
     "CUDA_MARGIN_BYTES",
@@ -49,6 +49,7 @@ __all__ = [
     "device_budget",
     "parse_size",
     "precheck",
+    "what_it_holds",
     "what_runs",
 ]
 
@@ -60,53 +61,6 @@ CUDA_MARGIN_BYTES = 512 * 2**20
 CUDA_RESERVED_OVERHEAD = 0.10
 
 #: Called after each probe with ``(batch_size, peak_bytes)``: progress for slow searches.
-
-# ------------------------------------------------------------------------------------------- sizes
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 2**10,
-    "kib": 2**10,
-    "kb": 10**3,
-    "m": 2**20,
-    "mib": 2**20,
-    "mb": 10**6,
-    "g": 2**30,
-    "gib": 2**30,
-    "gb": 10**9,
-    "t": 2**40,
-    "tib": 2**40,
-    "tb": 10**12,
-}
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*")
-
-
-def parse_size(text: str) -> int:
-    """Bytes from a size: ``'12345'``, ``'512MiB'``, ``'1.5GB'``, ``'8g'``.
-
-    Units, case-insensitive: ``B``; binary ``KiB MiB GiB TiB`` and their one-letter forms ``K M G T``
-    (as in ``docker --memory 8g``); decimal ``KB MB GB TB``. Fractions round down to whole bytes.
-
-    >>> parse_size("10GiB"), parse_size("1.5GB"), parse_size("8g"), parse_size("4096")
-    (10737418240, 1500000000, 8589934592, 4096)
-    >>> parse_size("ten gigs")
-    Traceback (most recent call last):
-    ...
-    ValueError: a size is a number and an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, K, M, G, T) such as 10GiB or 1.5GB; got 'ten gigs'
-    """  # noqa: E501
-    match = _SIZE.fullmatch(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ValueError(
-            "a size is a number and an optional unit (B, KiB, MiB, GiB, TiB, KB, MB, GB, TB, K, M, G, T) "
-            f"such as 10GiB or 1.5GB; got {text!r}"
-        )
-    value = float(match.group(1)) * _UNITS[unit]
-    if not math.isfinite(value) or value < 1:
-        raise ValueError(f"a size must be at least one byte; got {text!r}")
-    return int(value)
-
 
 # ---------------------------------------------------------------------------------------- the budget
 
@@ -162,25 +116,30 @@ def budget_for(
     estimate: StepEstimate,
     device: str | torch.device,
     *,
-    memory_budget: int | str | None = None,
+    memory_budget: int | str | MemoryBudget | None = None,
     margin_bytes: int | None = None,
 ) -> int:
-    """The budget ``estimate`` is checked against: ``memory_budget`` (bytes or ``"10GiB"``) where given,
-    else what :func:`device_budget` finds, with what the estimate counts that already takes memory (the
-    parameters, buffers and other tensors at the first peak) given back on a CPU, whose available memory
-    no longer shows it (CUDA's reserved bytes do).
+    """The budget ``estimate`` is checked against: ``memory_budget`` where given -- bytes, a size
+    (``"10GiB"``) or a share of what the device has (``"80%"``, see :class:`MemoryBudget`) -- else what
+    :func:`device_budget` finds, with what the estimate counts that already takes memory (the
+    parameters, buffers and other tensors at the first peak) given back on a CPU, whose available
+    memory no longer shows it (CUDA's reserved bytes do).
 
     >>> import torch
     >>> from lightning_memest import estimate_step
     >>> budget_for(estimate_step(torch.nn.Linear(4, 4), torch.randn(2, 4)), "cpu", memory_budget="1GiB")
     1073741824
     """
-    if memory_budget is not None:
-        return parse_size(memory_budget) if isinstance(memory_budget, str) else memory_budget
+    given = MemoryBudget.parse(memory_budget) if memory_budget is not None else None
+    if given is not None and given.bytes is not None:
+        return given.bytes
     first = estimate.first_step.breakdown
     resident = first.parameters + first.buffers + first.other_tensors
     dev = torch.device(device)
-    return device_budget(dev, margin_bytes=margin_bytes, resident_bytes=resident if dev.type == "cpu" else 0)
+    available = device_budget(
+        dev, margin_bytes=margin_bytes, resident_bytes=resident if dev.type == "cpu" else 0
+    )
+    return given.of(available) if given is not None else available
 
 
 # ---------------------------------------------------------------------------------------- pre-check
@@ -248,7 +207,7 @@ def precheck(
         >>> r.fits
         False
         >>> print(r.message)
-        the estimated peak of a training step at batch size 64, 8.12 MiB (8,516,008 B), is over the memory budget of 1.00 MiB (1,048,576 B); even batch size 1 does not fit
+        the estimated peak of a training step at batch size 64, 8.12 MiB (8,516,008 B), is over the memory budget of 1.00 MiB (1,048,576 B); at the peak (step 1, backward): parameters 3.82 MiB, gradients 3.81 MiB, temporaries 250.01 KiB; 7.63 MiB of it (94 %) is the model's state and other tensors, whatever the batch size; even batch size 1 does not fit
         >>> precheck(est, 2**30).fits
         True
     """  # noqa: E501
@@ -262,7 +221,7 @@ def precheck(
     if peak <= budget_bytes:
         return PrecheckResult(True, peak, budget_bytes, batch_size, None, amounts.format("within"))
     best = max_fit() if max_fit is not None else None
-    message = amounts.format("over")
+    message = amounts.format("over") + f"; {what_it_holds(estimate)}"
     if best is not None:
         message += (
             "; even batch size 1 does not fit"
@@ -270,3 +229,29 @@ def precheck(
             else f"; the largest batch size that fits is {best}"
         )
     return PrecheckResult(False, peak, budget_bytes, batch_size, best, message)
+
+
+#: What a batch of another size does not change: the model's state and what else lives on the device.
+_FIXED = ("parameters", "buffers", "gradients", "optimizer_state", "other_tensors")
+
+
+def what_it_holds(estimate: StepEstimate, top: int = 3) -> str:
+    """What the highest peak of ``estimate`` holds, in words: its largest roles, and how much of it no
+    batch size changes (the parameters, buffers, gradients, optimizer state and other tensors; what
+    the optimizer's update allocates is among the temporaries, which do change with it).
+
+    >>> import torch
+    >>> from lightning_memest import estimate_step
+    >>> est = estimate_step(torch.nn.Linear(1000, 1000), torch.randn(64, 1000), optimizer=torch.optim.Adam)
+    >>> print(what_it_holds(est))
+    at the peak (step 1, optimizer): optimizer state 7.64 MiB, temporaries 7.63 MiB, parameters 3.82 MiB; 15.27 MiB of it (66 %) is the model's state and other tensors, whatever the batch size
+    """  # noqa: E501
+    peak = max(estimate.peaks, key=lambda p: p.bytes)
+    held = sorted(((n, name) for name, n in peak.breakdown.items() if n), reverse=True)[:top]
+    roles = ", ".join(f"{name.replace('_', ' ')} {format_bytes(n)}" for n, name in held)
+    fixed = sum(n for name, n in peak.breakdown.items() if name in _FIXED)
+    share = f" ({100 * fixed / peak.bytes:.0f} %)" if peak.bytes else ""
+    return (
+        f"at the peak (step {peak.step}, {peak.phase.value}): {roles}; {format_bytes(fixed)} of it{share} "
+        "is the model's state and other tensors, whatever the batch size"
+    )

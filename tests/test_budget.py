@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 from lightning_memest import estimate_step
-from lightning_memest.budget import device_budget, parse_size, precheck
+from lightning_memest.budget import budget_for, device_budget, parse_size, precheck
 from lightning_memest.errors import MemoryBudgetError
+from lightning_memest.sizes import MAX_SIZE, MemoryBudget
 
 
 def test_parse_size() -> None:
@@ -19,6 +20,27 @@ def test_parse_size() -> None:
     for bad in ("", "GiB", "-1GiB", "1.5XB", "0", "nan"):
         with pytest.raises(ValueError):
             parse_size(bad)
+    # Too large is said so (it read "must be at least one byte"), and the answer stays a number.
+    for huge in ("1e300TiB", "1e400", "1e19"):
+        with pytest.raises(ValueError, match="at most 8 EiB"):
+            parse_size(huge)
+    assert parse_size(str(MAX_SIZE)) <= MAX_SIZE
+
+
+def test_memory_budgets_are_bytes_sizes_or_shares() -> None:
+    assert MemoryBudget.parse(4096) == MemoryBudget(bytes=4096)
+    assert MemoryBudget.parse("1KiB") == MemoryBudget(bytes=1024)
+    assert MemoryBudget.parse(" 80 % ") == MemoryBudget(share=0.8)
+    for bad in (-1, 0, -5, "0%", "150%", "-3%", "1KiB%", 2**64):
+        with pytest.raises(ValueError):
+            MemoryBudget.parse(bad)  # type: ignore[arg-type]
+    for wrong in (True, 1.5, [1]):
+        with pytest.raises(TypeError):
+            MemoryBudget.parse(wrong)  # type: ignore[arg-type]
+    est = estimate_step(nn.Linear(10, 10), torch.randn(4, 10))
+    device = budget_for(est, "cpu")
+    half = budget_for(est, "cpu", memory_budget="50%")
+    assert abs(half - device // 2) <= device // 100  # (the machine's free memory moves a little)
 
 
 def test_precheck_messages() -> None:
@@ -35,6 +57,9 @@ def test_precheck_messages() -> None:
     assert not bad.fits and bad.max_batch_size == 17 and calls == [1]
     for part in (f"{est.peak_bytes:,} B", f"{est.peak_bytes - 1:,} B", "batch size 64", "fits is 17"):
         assert part in bad.message
+    # What the peak holds, and how much of it no batch size changes: the next step to take.
+    assert "at the peak (step " in bad.message and "optimizer state" in bad.message
+    assert "model's state and other tensors, whatever the batch size" in bad.message
     err = bad.error()
     assert isinstance(err, MemoryBudgetError) and str(err) == bad.message
     assert (err.peak_bytes, err.batch_size, err.max_batch_size) == (est.peak_bytes, 64, 17)

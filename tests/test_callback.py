@@ -278,18 +278,32 @@ def test_memory_precheck_raises_before_any_step(tmp_path: Path) -> None:
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
             Counting.steps_run += 1
 
-    memest = MemEstimate(memory_check="raise", memory_budget="1MiB")
+    budget = _halfway_budget(tmp_path)
+    memest = MemEstimate(memory_check="raise", memory_budget=budget)
     with pytest.raises(MemoryBudgetError) as info:
         fit(Counting(), tmp_path, [memest])
     assert Counting.steps_run == 0
     message = str(info.value)
-    assert "batch size 16" in message and "1.00 MiB" in message and "largest batch size that fits" in message
-    assert info.value.max_batch_size is not None and 0 <= info.value.max_batch_size < 16
+    assert "batch size 16" in message and f"({budget:,} B)" in message
+    assert "largest batch size that fits" in message
+    assert info.value.max_batch_size is not None and 0 < info.value.max_batch_size < 16
 
 
 def test_memory_precheck_warns_with_the_batch_size_that_fits(tmp_path: Path) -> None:
+    budget = _halfway_budget(tmp_path)
     with pytest.warns(UserWarning, match="largest batch size that fits is"):
-        fit(Classifier(), tmp_path, [MemEstimate(memory_budget=1_300_000)], max_steps=1)
+        fit(Classifier(), tmp_path, [MemEstimate(memory_budget=budget)], max_steps=1)
+
+
+def _halfway_budget(tmp_path: Path) -> int:
+    """A budget halfway between what any batch size needs (weights, gradients, optimizer state, the
+    dataset and whatever else lives in this process) and the peak at the classifier's batch size."""
+    first = MemEstimate(memory_check="off")
+    fit(Classifier(), tmp_path / "first", [first], max_steps=1)
+    assert first.estimate is not None
+    held = first.estimate.steady_state.breakdown
+    fixed = held.parameters + held.gradients + held.optimizer_state + held.other_tensors
+    return (fixed + first.estimate.peak_bytes) // 2
 
 
 def test_ddp_each_rank_estimates_and_rank_zero_logs(tmp_path: Path) -> None:
@@ -309,3 +323,27 @@ def test_ddp_each_rank_estimates_and_rank_zero_logs(tmp_path: Path) -> None:
     errors = scalars(tmp_path)["memest/error_pct"]
     assert len(scalars(tmp_path, "memest/measured")["memest/peak_MiB"]) == 2  # rank 0 only, once a step
     assert len(errors) == 2 and all(abs(e) <= 2.0 for e in errors)
+
+
+def test_options_are_checked_when_the_callback_is_made() -> None:
+    """A typo or an impossible value is one clear error at construction, not a silent default."""
+    with pytest.raises(TypeError, match="unexpected keyword argument 'memory_budjet'.*memory_budget"):
+        MemEstimate(memory_budjet="1KiB")  # type: ignore[call-arg]
+    for budget in (-1, -5, 0, "0B", "150%", "ten gigs"):
+        with pytest.raises(ValueError, match="memory_budget"):
+            MemEstimate(memory_budget=budget)
+    for bad in ({"memory_check": "loud"}, {"max_depth": -2}, {"memory_margin_bytes": -1}):
+        with pytest.raises(ValueError):
+            MemEstimate(**bad)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="calibrate must be True or False"):
+        MemEstimate(calibrate="yes")  # type: ignore[arg-type]
+    assert MemEstimate(memory_budget="80%").memory_budget is not None
+    assert MemEstimate(header_style="bold").memory_budget is None  # RichModelSummary's keyword
+
+
+def test_a_share_of_the_device_is_a_budget(tmp_path: Path) -> None:
+    """``memory_budget="0.0001%"``: a sliver of the machine's memory, checked at the first batch."""
+    from lightning_memest import MemoryBudgetError
+
+    with pytest.raises(MemoryBudgetError, match="over the memory budget"):
+        fit(Classifier(), tmp_path, [MemEstimate(memory_check="raise", memory_budget="0.0001%")])

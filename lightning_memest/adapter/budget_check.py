@@ -25,6 +25,7 @@ from lightning_memest.adapter.guard import Guard
 from lightning_memest.budget import PrecheckResult, budget_for, precheck
 from lightning_memest.errors import MemoryBudgetError
 from lightning_memest.report import StepEstimate
+from lightning_memest.sizes import MemoryBudget
 
 __all__ = ["BudgetCheck"]
 
@@ -32,10 +33,11 @@ __all__ = ["BudgetCheck"]
 @dataclass(frozen=True)
 class BudgetCheck:
     """The callback's pre-check settings: ``memory_check`` (``"warn"``, ``"raise"``, ``"off"``), the
-    budget (bytes or ``"10GiB"``; ``None``: what the device has) and the CUDA margin."""
+    budget (bytes, ``"10GiB"``, ``"80%"`` of the device; ``None``: what the device has) and the CUDA
+    margin."""
 
     memory_check: str
-    memory_budget: int | str | None = None
+    memory_budget: int | str | MemoryBudget | None = None
     margin_bytes: int | None = None
 
     def result(

@@ -18,9 +18,8 @@ from typing_extensions import override
 
 from lightning_memest.adapter.budget_check import BudgetCheck
 from lightning_memest.adapter.ddp_buckets import UnseenBuckets
-from lightning_memest.adapter.describe import describe_checks
+from lightning_memest.adapter.describe import SetupCost, describe_checks
 from lightning_memest.adapter.eval_runner import Loop
-from lightning_memest.adapter.fit import fit_setup
 from lightning_memest.adapter.fit_batches import FitBatches, resident_at_start
 from lightning_memest.adapter.gloo_exit import settle_gloo_workers_at_exit
 from lightning_memest.adapter.guard import Guard, attempt
@@ -31,6 +30,7 @@ from lightning_memest.adapter.loggers.scalars import (
     logging_step,
 )
 from lightning_memest.adapter.loop_checks import LoopChecks
+from lightning_memest.adapter.options import check_options
 from lightning_memest.adapter.ranks import max_over_ranks
 from lightning_memest.adapter.summary import (
     footer_items,
@@ -41,12 +41,12 @@ from lightning_memest.adapter.summary import (
     total_flops,
     with_estimate,
 )
-from lightning_memest.batches import batch_size_of, iter_tensors
+from lightning_memest.batches import iter_tensors
 from lightning_memest.budget import PrecheckResult
 from lightning_memest.measure import LiveTensorScan, StepProbe
 from lightning_memest.report import MeasuredStep, StepEstimate
 
-__all__ = ["CHECKED_STEPS", "MeasuredStep", "MemEstimate"]
+__all__ = ["CHECKED_STEPS", "MeasuredStep", "MemEstimate", "SetupCost"]
 
 _T = TypeVar("_T")
 
@@ -95,7 +95,8 @@ class MemEstimate(ModelSummary):
     Before the first step it also compares the estimated peak with the memory the device has
     (``memory_check``: ``"warn"`` (default), ``"raise"`` -- a ``MemoryBudgetError`` that stops fit
     before any real step and names the largest batch size that fits --, or ``"off"``). The budget is
-    ``memory_budget`` (bytes or ``"10GiB"``) or what ``budget.device_budget`` finds: CUDA's free
+    ``memory_budget`` (bytes, ``"10GiB"``, or ``"80%"`` of what the device has) or what
+    ``budget.device_budget`` finds: CUDA's free
     memory less ``memory_margin_bytes`` and the caching allocator's overhead, or the CPU's available
     memory.
 
@@ -123,14 +124,22 @@ class MemEstimate(ModelSummary):
         memory_margin_bytes: int | None = None,
         **summarize_kwargs: Any,
     ) -> None:
+        budget = check_options(
+            max_depth=max_depth,
+            memory_check=memory_check,
+            memory_budget=memory_budget,
+            margin_bytes=memory_margin_bytes,
+            flags={"check": check, "calibrate": calibrate},
+            summarize_kwargs=summarize_kwargs,
+        )
         super().__init__(max_depth=max_depth, **summarize_kwargs)
-        if memory_check not in ("off", "warn", "raise"):
-            raise ValueError(f"memory_check must be 'off', 'warn' or 'raise'; got {memory_check!r}")
         self.check = check
         self.calibrate = calibrate
         self.example_batch = example_batch
         self.memory_check = memory_check
-        self.memory_budget = memory_budget
+        self.memory_budget = budget
+        """The budget the pre-check compares with (bytes, or a share of what the device has); ``None``:
+        what the device has."""
         self.memory_margin_bytes = memory_margin_bytes
         self.estimate: StepEstimate | None = None
         """The estimate of the first two steps (``None`` before, or if it failed): made at the first
@@ -142,7 +151,10 @@ class MemEstimate(ModelSummary):
         self.measured: list[MeasuredStep] = []
         """The measured first batches, once they ran."""
         self.setup_seconds: float | None = None
-        """Wall seconds the estimate added to fit start (the batch, the simulation, the accounting)."""
+        """Wall seconds the first estimate added to fit start (:attr:`setup_cost` says what to)."""
+        self.setup_cost: SetupCost | None = None
+        """What the first estimate's :attr:`setup_seconds` went to: simulating, calibrating the kernels,
+        finding the other live tensors, the rest."""
         self._probe: StepProbe | None = None
         self._unseen: UnseenBuckets | None = None
         self._measure_failure: str | None = None  # why this rank's measurement stopped, if it did
@@ -178,7 +190,7 @@ class MemEstimate(ModelSummary):
             'MemEstimate: no estimate (fit has not started, or estimating failed)'
         """
         return describe_checks(
-            self.estimate, self.setup_seconds, self.measured, self.loop_estimates, self.loop_measured
+            self.estimate, self.setup_cost, self.measured, self.loop_estimates, self.loop_measured
         )
 
     # --- estimates: from the batches training gets; then the summary --------------------------------------
@@ -186,6 +198,7 @@ class MemEstimate(ModelSummary):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A new fit: nothing of an earlier one carries over.
         self.estimate, self.estimates, self.measured, self.setup_seconds = None, {}, [], None
+        self.setup_cost = None
         self._batches = FitBatches(self.calibrate)
         self._batches.scan = self._loops.scan  # this call's (setup)
         self._summarized, self._trying, self._guard = False, True, Guard()
@@ -197,20 +210,27 @@ class MemEstimate(ModelSummary):
         if self.example_batch is None:
             return  # estimated at the first training batch, with the batch in hand
         example = pl_module.on_before_batch_transfer(self.example_batch, 0)
-        self._first_estimate(trainer, pl_module, example, given=True)
+        self._first_estimate(trainer, pl_module, example, 0, given=True)
 
     def _first_estimate(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *, given: bool
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, *, given: bool
     ) -> None:
         start = time.perf_counter()
         self.estimate = self._together(
             trainer,
             "estimating",
-            lambda: self._batches.estimate_first(trainer, pl_module, batch, given=given),
+            lambda: self._batches.estimate_first(trainer, pl_module, batch, given=given, batch_idx=batch_idx),
         )
         self.setup_seconds = time.perf_counter() - start
         self._trying = self.estimate is not None
         if self.estimate is not None:
+            calibrating = self.estimate.calibration.seconds if self.estimate.calibration is not None else 0.0
+            self.setup_cost = SetupCost(
+                total=self.setup_seconds,
+                simulating=self.estimate.estimate_seconds - calibrating,
+                calibrating=calibrating,
+                scanning=self._batches.scan_seconds,
+            )
             self._note(self.estimate)
             _set_flops_per_batch(pl_module, self.estimate)
             self._log_estimate(trainer, self.estimate)
@@ -222,7 +242,7 @@ class MemEstimate(ModelSummary):
                 trainer,
                 self._guard,
                 estimate,
-                lambda: self._training_fits(trainer, pl_module, batch, estimate, not given),
+                lambda: self._training_fits(trainer, estimate),
             )
 
     def _note(self, estimate: StepEstimate) -> None:
@@ -237,21 +257,17 @@ class MemEstimate(ModelSummary):
     def _budget(self) -> BudgetCheck:
         return BudgetCheck(self.memory_check, self.memory_budget, self.memory_margin_bytes)
 
-    def _training_fits(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        batch: Any,
-        estimate: StepEstimate,
-        transferred: bool,
-    ) -> PrecheckResult:
-        fit = fit_setup(trainer, pl_module, batch, transferred=transferred)
-        size = batch_size_of(fit.batch)
+    def _training_fits(self, trainer: pl.Trainer, estimate: StepEstimate) -> PrecheckResult:
+        """``estimate`` against the budget; where it is over, the largest batch size whose estimate,
+        made as this one was (its residents, its calibration), fits."""
+        step = self._batches.sized
+        if step is None:
+            raise RuntimeError("no estimate to check")  # (the hook estimates right before)
 
         def search(budget: int) -> int:
-            return fit.max_batch_size(budget, batch_size=size).max_batch_size
+            return step.largest_batch(budget).max_batch_size
 
-        return self._budget().result(estimate, fit.device, size, search)
+        return self._budget().result(estimate, trainer.strategy.root_device, step.batch_size, search)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -284,6 +300,7 @@ class MemEstimate(ModelSummary):
                 total_flops(self.estimate, getattr(summary, "total_flops", 0)),
                 footer,
                 rich=self._rich,
+                header_style=self._summarize_kwargs.get("header_style"),
             )
 
     # --- each training batch: estimate what is new, measure the first ones -----------------------------
@@ -293,11 +310,11 @@ class MemEstimate(ModelSummary):
     ) -> None:
         measuring = self._probe is not None and trainer.strategy.root_device.type == "cpu"
         if self._trying and self.estimate is None:
-            self._first_estimate(trainer, pl_module, batch, given=False)
+            self._first_estimate(trainer, pl_module, batch, batch_idx, given=False)
         elif self._trying and self._steps_started == 1:
-            self._second_estimate(trainer, pl_module, batch, measuring)
+            self._second_estimate(trainer, pl_module, batch, batch_idx, measuring)
         elif self._trying and self._steps_started > 1:
-            self._later_estimate(trainer, pl_module, batch)
+            self._later_estimate(trainer, pl_module, batch, batch_idx)
         others = self._batches.take_others(batch)  # what the estimate of this batch just found
         if self.check and self.estimate is not None and self._steps_started < CHECKED_STEPS:
             self._fit_log.measured_at.append(logging_step(trainer))
@@ -310,24 +327,36 @@ class MemEstimate(ModelSummary):
                 )
 
     def _second_estimate(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, measuring: bool
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int, measuring: bool
     ) -> None:
-        """Step 2 runs on this batch: where it needs other memory than the first, estimate the two steps
-        as they come (what the check of step 2 compares with)."""
+        """Step 2 runs on this batch: where it may need other memory than the first (other shapes,
+        values or ``batch_idx``), estimate the two steps as they come (what the check of step 2
+        compares with)."""
+        probe = self._probe
+        if measuring and self.calibrate and probe is not None and self._batches.needs_second(batch):
+            # Between the measured steps: the CPU profile closes so that the estimate's calibration may
+            # measure the kernels the first batch did not run (the next step opens another).
+            self._safely("measuring", probe.pause)
+            measuring = probe.profiling
         both = self._together(
             trainer,
             "estimating the second batch",
-            lambda: self._batches.estimate_second(trainer, pl_module, batch, measuring=measuring),
+            lambda: self._batches.estimate_second(
+                trainer, pl_module, batch, measuring=measuring, batch_idx=batch_idx
+            ),
         )
         if both is not None:
             self.estimate = both
             self._note(both)
             self._log_estimate(trainer, both)
 
-    def _later_estimate(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any) -> None:
+    def _later_estimate(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         """A batch larger than any estimated so far: its estimate, logged and checked before its step."""
         larger = self._safely(
-            "estimating a larger batch", lambda: self._batches.estimate_if_larger(trainer, pl_module, batch)
+            "estimating a larger batch",
+            lambda: self._batches.estimate_if_larger(trainer, pl_module, batch, batch_idx),
         )
         if larger is None:
             return
@@ -338,7 +367,7 @@ class MemEstimate(ModelSummary):
             trainer,
             self._guard,
             larger,
-            lambda: self._training_fits(trainer, pl_module, batch, larger, True),
+            lambda: self._training_fits(trainer, larger),
             everywhere=False,
         )
 
@@ -359,7 +388,7 @@ class MemEstimate(ModelSummary):
             self._unseen = UnseenBuckets.at_step_start(trainer)
             # A later step's scan: the collector has been off since the probe's full collection.
             resident = resident_at_start(
-                trainer, pl_module, batch, own=self._batches.first, others=others, young=probe.profiling
+                trainer, pl_module, batch, own=self._batches.first, others=others, young=probe.collector_off
             )
             probe.start(resident)
 
@@ -414,13 +443,16 @@ class MemEstimate(ModelSummary):
         if probe is None:
             return
         results = self._guard.agreed_measurement(trainer, self._measure_failure, probe.finish, probe.close)
-        if results is None or self.estimate is None:
+        estimate = self.estimate
+        if results is None or estimate is None:
             return
-        for step, result in enumerate(results):
+        # Each measured step against the estimate of the same step (a fit shorter than the checked
+        # steps measures fewer). Every rank has as many results: the ranks reduce alike.
+        for result, estimated in zip(results, estimate.peaks, strict=False):
             peak, reserved = max_over_ranks(trainer, result)
-            measured = MeasuredStep(step + 1, peak, reserved, self.estimate.peaks[step].bytes)
+            measured = MeasuredStep(estimated.step, peak, reserved, estimated.bytes)
             self.measured.append(measured)
-            self._safely("logging", lambda m=measured: self._fit_log.measured(trainer, self.estimate, m))  # type: ignore[misc]
+            self._safely("logging", lambda m=measured: self._fit_log.measured(trainer, estimate, m))  # type: ignore[misc]
         self._safely(
             "logging to TensorBoard", lambda: self._fit_log.figures(trainer, self.estimate, self.measured)
         )

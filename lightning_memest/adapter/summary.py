@@ -174,13 +174,15 @@ def render_summary(
     footer: list[tuple[str, str]],
     *,
     rich: bool | None = None,
+    header_style: str | None = None,
 ) -> None:
     """Show the summary with the extra columns and footer: with Rich (``rich=None``: where Lightning
-    would, that is where Rich is installed), else as Lightning's plain summary is shown."""
+    would, that is where Rich is installed; ``header_style`` as ``RichModelSummary``'s), else as
+    Lightning's plain summary is shown."""
     use_rich = bool(RICH_AVAILABLE) if rich is None else rich
     counts = (total_parameters, trainable_parameters, model_size, total_training_modes, total_flops)
     if use_rich:
-        _render_rich(summary_data, *counts, footer)
+        _render_rich(summary_data, *counts, footer, header_style or "bold magenta")
         return
     table = _format_summary_table(*counts, *summary_data)
     # The estimate's lines as in the Rich table's footer: its figures (a breakdown among them) are
@@ -196,13 +198,14 @@ def _render_rich(
     total_training_modes: dict[str, int],
     total_flops: int,
     footer: list[tuple[str, str]],
+    header_style: str,
 ) -> None:
     # RichModelSummary hard-codes its columns; this renders any, in the same style.
     from rich import get_console
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(header_style="bold magenta")
+    table = Table(header_style=header_style)
     for header, _ in summary_data:
         justify: Literal["left", "right"] = "left" if header in (" ", "Name", "Type", "Mode") else "right"
         table.add_column(

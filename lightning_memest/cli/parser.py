@@ -29,6 +29,7 @@ from lightning_memest.constants import (
     STRATEGIES,
 )
 from lightning_memest.errors import SpecError
+from lightning_memest.sizes import parse_size
 
 if TYPE_CHECKING:
     import torch
@@ -163,12 +164,12 @@ def _positive_number(maximum: float, why: str) -> Callable[[str], float]:
 
 
 def _size(text: str) -> int:
-    from lightning_memest.budget import parse_size  # imports torch: only where a size is given
-
     try:
         value = parse_size(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        if "at most" not in str(e):
+            raise argparse.ArgumentTypeError(str(e)) from None
+        value = MAX_SIZE + 1  # too large for any machine: said with the flag's own limit below
     if value > MAX_SIZE:
         raise argparse.ArgumentTypeError(f"must be at most 1024TiB ({MAX_SIZE} bytes); got {_shown(text)}")
     return value
