@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from lightning_memest.engine.distributed import DDP, FSDP
     from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError, SpecError, TraceError
     from lightning_memest.estimate import estimate_step
+    from lightning_memest.plan import CheckpointPlan, plan_checkpointing
     from lightning_memest.report import (
         Breakdown,
         DataDependentRead,
@@ -31,6 +32,7 @@ __all__ = [
     "FSDP",
     "BatchSizeResult",
     "Breakdown",
+    "CheckpointPlan",
     "CudaCachingAllocator",
     "DataDependentRead",
     "EstimationError",
@@ -46,6 +48,7 @@ __all__ = [
     "TraceError",
     "estimate_step",
     "max_batch_size",
+    "plan_checkpointing",
 ]
 __version__ = "0.1.0.dev0"
 
@@ -57,6 +60,7 @@ _LAZY = {
     "FSDP": "lightning_memest.engine.distributed",
     "BatchSizeResult": "lightning_memest.search",
     "Breakdown": "lightning_memest.report",
+    "CheckpointPlan": "lightning_memest.plan",
     "CudaCachingAllocator": "lightning_memest.accounting.cuda_allocator",
     "DataDependentRead": "lightning_memest.report",
     "EstimationError": "lightning_memest.errors",
@@ -72,6 +76,7 @@ _LAZY = {
     "TraceError": "lightning_memest.errors",
     "estimate_step": "lightning_memest.estimate",
     "max_batch_size": "lightning_memest.search",
+    "plan_checkpointing": "lightning_memest.plan",
 }
 
 

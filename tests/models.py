@@ -3,6 +3,8 @@
 * :class:`TinyGPT` -- a decoder-only transformer: token + position embeddings, pre-LayerNorm blocks with
   causal ``F.scaled_dot_product_attention`` and a GELU MLP, a final LayerNorm and an untied head.
 * :class:`LSTMLanguageModel` -- ``Embedding -> nn.LSTM (batch_first) -> Linear``.
+* :class:`UNet` -- a segmentation UNet as its users write it: double convolutions with batch norm and
+  in-place ReLUs, max-pooled down blocks, transposed-convolution up blocks concatenating the skips.
 
 Both take a ``(batch, seq)`` int64 token tensor and return ``(batch, seq, vocab)`` logits;
 :func:`lm_loss` is their cross-entropy loss against a batch ``(tokens, targets)``.
@@ -85,6 +87,62 @@ class LSTMLanguageModel(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         out, _ = self.lstm(self.embed(tokens))
         return self.head(out)  # type: ignore[no-any-return]
+
+
+class DoubleConv(nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(cin, cout, 3, padding=1),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(inplace=True),
+            nn.Conv2d(cout, cout, 3, padding=1),
+            nn.BatchNorm2d(cout),
+            nn.ReLU(inplace=True),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+
+class Down(nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv = DoubleConv(cin, cout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.conv(F.max_pool2d(x, 2))  # type: ignore[no-any-return]
+
+
+class Up(nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.up = nn.ConvTranspose2d(cin, cin // 2, 2, stride=2)
+        self.conv = DoubleConv(cin, cout)
+
+    def forward(self, x: Tensor, skip: Tensor) -> Tensor:
+        return self.conv(torch.cat([skip, self.up(x)], dim=1))  # type: ignore[no-any-return]
+
+
+class UNet(nn.Module):
+    """Three down and three up blocks of ``width``, 2 output classes."""
+
+    def __init__(self, width: int = 16, classes: int = 2) -> None:
+        super().__init__()
+        c = width
+        self.inc = DoubleConv(3, c)
+        self.downs = nn.ModuleList([Down(c, 2 * c), Down(2 * c, 4 * c), Down(4 * c, 8 * c)])
+        self.ups = nn.ModuleList([Up(8 * c, 4 * c), Up(4 * c, 2 * c), Up(2 * c, c)])
+        self.outc = nn.Conv2d(c, classes, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        skips = [self.inc(x)]
+        for down in self.downs:
+            skips.append(down(skips[-1]))
+        x = skips.pop()
+        for up in self.ups:
+            x = up(x, skips.pop())
+        return self.outc(x)  # type: ignore[no-any-return]
 
 
 def lm_batch(batch_size: int, seq_len: int = 128, vocab: int = 1000, seed: int = 0) -> tuple[Tensor, Tensor]:

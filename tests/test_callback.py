@@ -327,7 +327,7 @@ def test_ddp_each_rank_estimates_and_rank_zero_logs(tmp_path: Path) -> None:
 
 def test_options_are_checked_when_the_callback_is_made() -> None:
     """A typo or an impossible value is one clear error at construction, not a silent default."""
-    with pytest.raises(TypeError, match="unexpected keyword argument 'memory_budjet'.*memory_budget"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'memory_budjet'.*memory_budget"):
         MemEstimate(memory_budjet="1KiB")  # type: ignore[call-arg]
     for budget in (-1, -5, 0, "0B", "150%", "ten gigs"):
         with pytest.raises(ValueError, match="memory_budget"):

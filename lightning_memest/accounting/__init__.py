@@ -9,6 +9,13 @@ CUDA caching allocator model), ``cuda_alloc_conf.py`` (its settings from the env
 (``lightning_memest/registry.py``).
 """
 
-from lightning_memest.accounting.account import PeakProfile, account, capture_filter, peak_bytes, peak_profile
+from lightning_memest.accounting.account import (
+    PeakProfile,
+    account,
+    capture_filter,
+    live_bytes,
+    peak_bytes,
+    peak_profile,
+)
 
-__all__ = ["PeakProfile", "account", "capture_filter", "peak_bytes", "peak_profile"]
+__all__ = ["PeakProfile", "account", "capture_filter", "live_bytes", "peak_bytes", "peak_profile"]

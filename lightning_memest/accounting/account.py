@@ -54,7 +54,7 @@ from lightning_memest.engine.simulate import Simulation
 from lightning_memest.engine.tracker import CaptureFilter
 from lightning_memest.report import Breakdown, Peak, StepEstimate, TimelinePoint
 
-__all__ = ["PeakProfile", "account", "capture_filter", "peak_bytes", "peak_profile"]
+__all__ = ["PeakProfile", "account", "capture_filter", "live_bytes", "peak_bytes", "peak_profile"]
 
 
 def capture_filter(*, flops: bool, calibrate: bool = False) -> CaptureFilter:
@@ -131,6 +131,13 @@ class _Memory:
         if self.device is not None:
             return max(self.device.peaks.allocated)
         return max(p.live_bytes for p in self.live.peaks)
+
+
+def live_bytes(sim: Simulation, calibration: Calibration | None = None) -> LiveBytes:
+    """The observer of a simulation's exact live bytes as :func:`account` configures it (the kernels
+    that ran, measured ones where ``calibration`` has them), not yet walked: for a caller that walks
+    the events with observers of its own beside it (the checkpointing planner)."""
+    return _Memory.of(sim, None, calibration).live
 
 
 def peak_bytes(sim: Simulation, gpu: CudaDevice | None = None, calibration: Calibration | None = None) -> int:

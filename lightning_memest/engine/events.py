@@ -203,6 +203,9 @@ class ModuleEnter:
 class ModuleExit:
     path: str
     phase: Phase
+    outputs: tuple[int, ...] = ()
+    """At a forward's end: the storage handles of the tensors the module returned (what stays alive
+    for its callers whatever the module keeps for its own backward)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,7 +67,8 @@ def module_scopes(model: nn.Module, tracker: Tracker) -> Iterator[None]:
                     node.register_prehook(lambda _, path=path: tracker.exit_module(path, backward=True))
 
         def post_hook(_: nn.Module, args: Any, kwargs: Any, output: Any, path: str = path) -> None:
-            tracker.exit_module(path, backward=False)
+            returned = [t for t in tree_leaves(output) if isinstance(t, FakeTensor)]
+            tracker.exit_module(path, backward=False, outputs=returned)
             if torch.is_grad_enabled():
                 for node in nodes(output):
                     node.register_prehook(lambda _, path=path: tracker.enter_module(path, backward=True))

@@ -242,14 +242,15 @@ class Tracker:
             self._forward_stack.append(path)
         self.events.append(ModuleEnter(path, Phase.BACKWARD if backward else Phase.FORWARD))
 
-    def exit_module(self, path: str, backward: bool) -> None:
+    def exit_module(self, path: str, backward: bool, outputs: Sequence[Tensor] = ()) -> None:
         stack = self._backward_stack if backward else self._forward_stack
         # Backward exits can come out of order (a module whose inputs need no grad never exits).
         for i in range(len(stack) - 1, -1, -1):
             if stack[i] == path:
                 del stack[i]
                 break
-        self.events.append(ModuleExit(path, Phase.BACKWARD if backward else Phase.FORWARD))
+        handles = tuple(h for h in (self.handle_of(t) for t in outputs) if h is not None)
+        self.events.append(ModuleExit(path, Phase.BACKWARD if backward else Phase.FORWARD, handles))
 
     # --- ops ------------------------------------------------------------------------------------
     def run_op(
