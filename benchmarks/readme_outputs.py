@@ -77,6 +77,11 @@ SAMPLES = (
         ),
     ),
     Sample("memest estimate torchvision.models:resnet18 --input-shape 3,224,224 --batch-size 8"),
+    Sample(
+        "memest plan tests.models:TinyGPT --model-kwargs '{\"n_layers\": 12, \"d_model\": 256, "
+        "\"vocab\": 1000, \"seq_len\": 128}' --tokens 128 --vocab 1000 --batch-size 8 --budget 256MiB"
+    ),
+    Sample("memest plan torchvision.models:resnet50 --input-shape 3,224,224 --batch-size 32 --budget 2GiB"),
 )
 
 BLOCK = re.compile(

@@ -31,8 +31,9 @@ peak that fits.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,9 @@ from lightning_memest.errors import MemestError, MemoryBudgetError
 from lightning_memest.machine import mem_available
 from lightning_memest.report import StepEstimate, format_bytes
 from lightning_memest.sizes import MemoryBudget, parse_size
+
+if TYPE_CHECKING:
+    from lightning_memest.advice import Option
 
 __all__ = [
     "CUDA_MARGIN_BYTES",
@@ -172,6 +176,8 @@ class PrecheckResult:
     max_batch_size: int | None
     """The largest batch size that fits (only computed when the estimate does not fit)."""
     message: str
+    options: tuple[Option, ...] = ()
+    """What would fit, each estimated, cheapest first (``advice.advise``; only when it does not fit)."""
 
     def error(self) -> MemoryBudgetError:
         """The error to raise when it does not fit."""
@@ -181,6 +187,7 @@ class PrecheckResult:
             budget_bytes=self.budget_bytes,
             batch_size=self.batch_size,
             max_batch_size=self.max_batch_size,
+            options=self.options,
         )
 
 
@@ -191,13 +198,15 @@ def precheck(
     batch_size: int | None = None,
     max_fit: Callable[[], int | None] | None = None,
     what: str | None = None,
+    options: Callable[[], Sequence[Option]] | None = None,
 ) -> PrecheckResult:
     """Compare the estimated peak with ``budget_bytes`` (from :func:`device_budget`, say).
 
-    ``max_fit`` computes the largest batch size that fits (a batch-size search: ``FitSetup.max_batch_size`` in ``fit``);
-    it is called only when the estimate does not fit, as it costs a few estimator runs. The message
-    names what runs (``what``, else the estimate's loop: "a training step", "a validation batch" ...),
-    the estimated peak, the budget, the batch size in use and the largest that fits.
+    ``max_fit`` computes the largest batch size that fits (a batch-size search: ``SizedStep.largest_batch``
+    in ``fit``), ``options`` what would fit (``advice.advise``); both are called only when the estimate
+    does not fit, as they cost estimator runs. The message names what runs (``what``, else the
+    estimate's loop: "a training step", "a validation batch" ...), the estimated peak, the budget, what
+    the peak holds, the batch size in use, the largest that fits and the options.
 
     Example:
         >>> import torch
@@ -228,7 +237,12 @@ def precheck(
             if best == 0
             else f"; the largest batch size that fits is {best}"
         )
-    return PrecheckResult(False, peak, budget_bytes, batch_size, best, message)
+    offered = tuple(options()) if options is not None else ()
+    if offered:
+        message += "; what would fit, each estimated, cheapest first: " + "; ".join(
+            f"({i}) {option}" for i, option in enumerate(offered, 1)
+        )
+    return PrecheckResult(False, peak, budget_bytes, batch_size, best, message, offered)
 
 
 #: What a batch of another size does not change: the model's state and what else lives on the device.

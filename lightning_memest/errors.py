@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["EstimationError", "MemestError", "MemoryBudgetError", "SpecError", "TraceError", "one_line"]
 
 
@@ -27,9 +29,9 @@ class EstimationError(MemestError):
 class MemoryBudgetError(MemestError):
     """The estimated peak of a training step is over the memory budget.
 
-    Raised before any real step runs. The message names the estimated peak, the budget, the batch size
-    in use and the largest that fits; the same figures are attributes (``None`` where unknown;
-    ``max_batch_size`` 0 when not even one sample fits).
+    Raised before any real step runs. The message names the estimated peak, the budget, what the peak
+    holds, the batch size in use, the largest that fits and what else would fit; the same figures are
+    attributes (``None`` where unknown; ``max_batch_size`` 0 when not even one sample fits).
     """
 
     def __init__(
@@ -40,12 +42,16 @@ class MemoryBudgetError(MemestError):
         budget_bytes: int,
         batch_size: int | None = None,
         max_batch_size: int | None = None,
+        options: tuple[Any, ...] = (),
     ) -> None:
         super().__init__(message)
         self.peak_bytes = peak_bytes
         self.budget_bytes = budget_bytes
         self.batch_size = batch_size
         self.max_batch_size = max_batch_size
+        self.options = options
+        """What would fit, each estimated, cheapest first (``advice.Option``: ``.change``,
+        ``.peak_bytes``, ``.cost``; a checkpointing option's ``.plan`` to apply)."""
 
 
 class TraceError(MemestError):

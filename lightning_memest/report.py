@@ -27,6 +27,7 @@ __all__ = [
     "StepEstimate",
     "TimelinePoint",
     "format_bytes",
+    "format_share",
     "human_flops",
     "render_columns",
 ]
@@ -411,6 +412,13 @@ def human_flops(n: int | float) -> str:
             return f"{int(value)} FLOP" if not unit else f"{value:.2f} {unit}FLOP"
         value /= 1000
     raise AssertionError("unreachable")
+
+
+def format_share(share: float) -> str:
+    """A share as a percentage: ``0.189`` -> ``'18.9 %'``; a small one keeps two figures, so that it
+    does not read as nothing (``0.00042`` -> ``'0.042 %'``)."""
+    value = 100 * share
+    return f"{value:.1f} %" if abs(value) >= 1 or value == 0 else f"{value:.2g} %"
 
 
 def render_columns(rows: Sequence[Sequence[str]], right_from: int) -> str:

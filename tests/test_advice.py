@@ -115,3 +115,114 @@ def test_the_largest_batch_named_fits_and_the_next_does_not(
         if loop == "train":
             # And the real steps at n: their measured peaks are within the budget too.
             assert at["measured"] and max(at["measured"]) <= budget, (budget, at)
+
+
+_OPTIONS = textwrap.dedent(
+    """
+    import gc, json, os, sys, warnings
+    sys.path.insert(0, {tests!r})
+    os.environ["MEMEST_CACHE_DIR"] = {cache!r}
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader
+    from models import TinyGPT, lm_batch, lm_loss
+    from lightning_memest import MemEstimate, MemoryBudgetError
+    from lightning_memest.plan.checkpointing import apply_checkpointing
+
+    warnings.filterwarnings("ignore")
+
+    class LM(pl.LightningModule):
+        def __init__(self, batch_size=8):
+            super().__init__()
+            self.model = TinyGPT(n_layers=6, d_model=64, n_heads=4, vocab=256, seq_len=32)
+            self.data = list(zip(*lm_batch(64, 32, vocab=256)))
+            self.batch_size = batch_size
+
+        def training_step(self, batch, batch_idx):
+            return lm_loss(self.model, batch)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):
+            return DataLoader(self.data, batch_size=self.batch_size)
+
+    def fit(budget=None, checkpoints=None, precision="32-true", batch_size=8, auto=False):
+        pl.seed_everything(0, verbose=False)
+        module = LM(batch_size)
+        if checkpoints:
+            apply_checkpointing(module, checkpoints)
+        memest = MemEstimate(max_depth=0, memory_budget=budget, checkpointing="auto" if auto else "off",
+                             memory_check="off" if budget is None else ("warn" if auto else "raise"))
+        trainer = pl.Trainer(accelerator="cpu", max_steps=2, callbacks=[memest], logger=False,
+                             precision=precision, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        error = None
+        try:
+            trainer.fit(module)
+        except MemoryBudgetError as e:
+            error = e
+        out = {{
+            "error": None if error is None else str(error),
+            "options": [] if error is None else [
+                {{"kind": o.kind, "peak": o.peak_bytes, "batch_size": o.batch_size,
+                  "modules": None if o.plan is None else o.plan.modules}} for o in error.options],
+            "peak": memest.estimate.peak_bytes if memest.estimate is not None else None,
+            "measured": [m.peak_bytes for m in memest.measured],
+            "errors_pct": [m.error_pct for m in memest.measured],
+            "plan": None if memest.plan is None else memest.plan.modules,
+            # (bytes, not tensors: a tensor kept here would be one of the next fit's other tensors)
+            "weights": [p.detach().numpy().tobytes() for p in module.parameters()],
+        }}
+        del module, memest, trainer, error
+        gc.collect()
+        return out
+
+    plain = fit()
+    budget = plain["peak"] - plain["peak"] // 6
+    stopped = fit(budget)
+    shown = lambda out: {{k: v for k, v in out.items() if k != "weights"}}
+    results = {{"budget": budget, "stopped": shown(stopped), "tried": []}}
+    for option in stopped["options"]:
+        if option["kind"] == "checkpointing":
+            tried = fit(budget, checkpoints=option["modules"])
+        elif option["kind"] == "batch size":
+            tried = fit(budget, batch_size=option["batch_size"])
+        else:
+            tried = fit(budget, precision=option["kind"].split()[-1])
+        results["tried"].append({{"option": option, **shown(tried)}})
+    auto = fit(budget, auto=True)
+    by_hand = fit(budget, checkpoints=auto["plan"])
+    results["auto"] = shown(auto)
+    results["same_weights_by_hand"] = auto["weights"] == by_hand["weights"]
+    results["same_weights_unplanned"] = auto["weights"] == plain["weights"]
+    print("RESULT " + json.dumps(results))
+    """
+)
+
+
+def test_every_option_the_budget_error_offers_fits(tmp_path: Path) -> None:
+    """Over the budget, the error lists what would fit -- a checkpointing plan, a smaller batch --, each
+    estimated: a fit that takes each option runs (its estimate within the budget, no error) and its
+    measured peak is within the budget. ``checkpointing="auto"`` applies the cheapest plan: the measured
+    steps agree with the plan's estimate, and the weights equal those of the plan applied by hand and of
+    no checkpointing at all, bit for bit."""
+    script = _OPTIONS.format(tests=str(TESTS), cache=str(tmp_path / "cache"))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
+    budget, stopped = out["budget"], out["stopped"]
+    assert (
+        stopped["error"] is not None and "what would fit, each estimated, cheapest first" in stopped["error"]
+    )
+    kinds = [o["kind"] for o in stopped["options"]]
+    assert "checkpointing" in kinds and "batch size" in kinds, kinds
+    for tried in out["tried"]:
+        assert tried["option"]["peak"] <= budget
+        assert tried["error"] is None and tried["peak"] <= budget, tried
+        assert tried["measured"] and max(tried["measured"]) <= budget, tried
+    auto = out["auto"]
+    assert auto["plan"], auto
+    assert auto["peak"] <= budget and max(auto["measured"]) <= budget
+    assert all(abs(e) <= 1.0 for e in auto["errors_pct"]), auto
+    assert out["same_weights_by_hand"] and out["same_weights_unplanned"]

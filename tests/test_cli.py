@@ -691,3 +691,40 @@ def test_profile_by_node_and_by_module(capsys: pytest.CaptureFixture[str]) -> No
     assert code == 0 and "fwd_in" in out and "bwd FLOPs" in out
     code, out, err = run(capsys, "profile", *MLP, "--sort", "nope")
     assert code == 2 and err.startswith("memest: error: --sort") and len(err.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------------------------------- plan
+
+_PLANNED = (
+    "models:TinyGPT",
+    "--model-kwargs",
+    '{"n_layers": 6, "d_model": 64, "vocab": 256, "seq_len": 32}',
+    "--tokens",
+    "32",
+    "--vocab",
+    "256",
+    "--batch-size",
+    "8",
+)
+
+
+def test_plan_prints_the_plan_and_its_json_holds_every_figure() -> None:
+    """``memest plan``: the table of checkpointed modules and the peaks before and after; ``--json`` the
+    same plan, whose peak is the re-simulated estimate's and within the budget."""
+    peak = json.loads(memest("estimate", *_PLANNED, "--json").stdout)["peak_bytes"]["steady_state"]
+    budget = str(peak - peak // 5)
+    proc = memest("plan", *_PLANNED, "--budget", budget)
+    assert proc.returncode == 0, proc.stderr
+    assert "checkpointing" in proc.stdout and "within the budget" in proc.stdout
+    assert "blocks.0" in proc.stdout and "(re-simulated)" in proc.stdout
+    data = json.loads(memest("plan", *_PLANNED, "--budget", budget, "--json", "--kinds", "full").stdout)
+    assert data["fits"] and data["peak_bytes"]["before"] == peak
+    assert data["peak_bytes"]["after"] == data["estimate"]["peak_bytes"]["steady_state"] <= int(budget)
+    assert {m["kind"] for m in data["modules"]} == {"full"} and data["recompute_flops"] > 0
+
+
+def test_plan_says_when_nothing_fits() -> None:
+    proc = memest("plan", *_PLANNED, "--budget", "1MiB")
+    assert proc.returncode == 0
+    assert "no checkpointing of these modules fits" in proc.stderr
+    assert "nothing fits: every candidate checkpointed in full peaks at" in proc.stdout

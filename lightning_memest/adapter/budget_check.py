@@ -14,7 +14,7 @@ Example (in a callback, the batch in hand)::
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_memest.adapter.guard import Guard
+from lightning_memest.advice import Option
 from lightning_memest.budget import PrecheckResult, budget_for, precheck
 from lightning_memest.errors import MemoryBudgetError
 from lightning_memest.report import StepEstimate
@@ -47,10 +48,12 @@ class BudgetCheck:
         size: int | None,
         search: Callable[[int], int],
         what: str | None = None,
+        options: Callable[[int], Sequence[Option]] | None = None,
     ) -> PrecheckResult:
-        """``estimate`` against the budget; ``search(budget)`` is the largest batch size that fits, asked
-        only where the estimate does not (a search: worth trying, not worth failing the check for).
-        ``what`` names what runs, as ``budget.precheck``."""
+        """``estimate`` against the budget; ``search(budget)`` is the largest batch size that fits and
+        ``options(budget)`` what else would (``advice.advise``), asked only where the estimate does not
+        (searches: worth trying, not worth failing the check for). ``what`` names what runs, as
+        ``budget.precheck``."""
         budget = budget_for(
             estimate, device, memory_budget=self.memory_budget, margin_bytes=self.margin_bytes
         )
@@ -61,7 +64,13 @@ class BudgetCheck:
             except Exception:
                 return None
 
-        return precheck(estimate, budget, batch_size=size, max_fit=max_fit, what=what)
+        def offered() -> Sequence[Option]:
+            try:
+                return options(budget) if options is not None else ()
+            except Exception:
+                return ()
+
+        return precheck(estimate, budget, batch_size=size, max_fit=max_fit, what=what, options=offered)
 
     def act(
         self,

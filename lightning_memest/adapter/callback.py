@@ -20,6 +20,7 @@ from lightning_memest.adapter.budget_check import BudgetCheck
 from lightning_memest.adapter.ddp_buckets import UnseenBuckets
 from lightning_memest.adapter.describe import SetupCost, describe_checks
 from lightning_memest.adapter.eval_runner import Loop
+from lightning_memest.adapter.fit_advice import apply_plan, training_check
 from lightning_memest.adapter.fit_batches import FitBatches, resident_at_start
 from lightning_memest.adapter.gloo_exit import settle_gloo_workers_at_exit
 from lightning_memest.adapter.guard import Guard, attempt
@@ -32,18 +33,11 @@ from lightning_memest.adapter.loggers.scalars import (
 from lightning_memest.adapter.loop_checks import LoopChecks
 from lightning_memest.adapter.options import check_options
 from lightning_memest.adapter.ranks import max_over_ranks
-from lightning_memest.adapter.summary import (
-    footer_items,
-    loop_footer_items,
-    render_summary,
-    restore_summaries,
-    silence_other_summaries,
-    total_flops,
-    with_estimate,
-)
+from lightning_memest.adapter.summary import restore_summaries, show_summary, silence_other_summaries
 from lightning_memest.batches import iter_tensors
 from lightning_memest.budget import PrecheckResult
 from lightning_memest.measure import LiveTensorScan, StepProbe
+from lightning_memest.plan import CheckpointPlan
 from lightning_memest.report import MeasuredStep, StepEstimate
 
 __all__ = ["CHECKED_STEPS", "MeasuredStep", "MemEstimate", "SetupCost"]
@@ -58,47 +52,38 @@ class MemEstimate(ModelSummary):
     """Estimates the memory of your ``training_step`` before it runs, then checks it against the device.
 
     At the first training batch, before it runs, the module's real ``training_step`` (with its
-    ``configure_optimizers``, the trainer's precision, gradient accumulation and clipping) runs on
-    that batch on fake tensors for two steps -- no real compute, no real memory, nothing drawn from
-    the loader -- and the model summary shows the estimate (``example_batch=`` makes it at fit start,
-    for a batch you give: your worst case). A later batch larger than any estimated so far is
-    estimated, and checked, before its step runs. The first two real
-    batches are then measured (CUDA: ``max_memory_allocated``/``max_memory_reserved``; CPU: the
-    allocator's events in ``torch.profiler``), on CUDA every later batch too (the allocator's peak
-    statistics, reset at each batch's start: host-side, no synchronisation), and each batch's
-    estimate, measurement and error are logged at the step Lightning logs that batch at:
-    ``memest/peak_MiB/{estimate,measured}``,
-    ``memest/error_pct``, ``memest/GFLOP_per_batch/{forward,backward}`` (and
-    ``memest/reserved_MiB/{estimate,measured}`` on CUDA; TensorBoard draws each series as a run of its
-    own, see ``adapter/loggers``). It sets ``pl_module.flops_per_batch`` (forward + backward FLOPs of
-    one batch) unless you did, so ``ThroughputMonitor`` reports MFU. After the check it costs nothing
-    but those two calls a batch on CUDA.
+    ``configure_optimizers``, the trainer's precision, accumulation and clipping) runs on that batch on
+    fake tensors for two steps -- no real compute or memory, nothing drawn from the loader -- and the
+    model summary shows the estimate (``example_batch=``: at fit start, for a batch you give). A later
+    batch larger than any before is estimated, and checked, before its step. The first two real batches
+    are measured (CUDA: ``max_memory_allocated``/``_reserved``; CPU: the allocator's events in
+    ``torch.profiler``), on CUDA every later one too (peak statistics reset at each batch's start), and
+    logged at the batch's step: ``memest/peak_MiB/{estimate,measured}``, ``memest/error_pct``,
+    ``memest/GFLOP_per_batch/{forward,backward}`` (and ``memest/reserved_MiB/...`` on CUDA; see
+    ``adapter/loggers``). It sets ``pl_module.flops_per_batch`` unless you did (``ThroughputMonitor``'s
+    MFU).
 
-    The other loops are followed the same way: the first batch of the sanity check, of validation, of
-    ``trainer.test`` and of ``trainer.predict`` is estimated before it runs (the step in eval mode,
-    under ``inference_mode``, with the gradients and optimizer state that stay alive through it),
-    checked against the budget -- a validation batch four times the training batch is often the one
-    that runs out of memory -- and measured (:attr:`loop_estimates`, :attr:`loop_measured`; logged as
-    ``memest/<loop>/peak_MiB/{estimate,measured}`` and ``memest/<loop>/error_pct``).
+    The other loops' first batches -- the sanity check, validation, ``trainer.test``, ``trainer.predict``
+    -- are estimated before they run (eval mode, with the training state alive through them), checked
+    against the budget and measured (:attr:`loop_estimates`, :attr:`loop_measured`,
+    ``memest/<loop>/...``).
 
-    What real kernels allocate beyond their outputs (workspaces, reorders) is measured on the device
-    the trainer trains on (``calibrate=True``, the default): each distinct op signature of the step
-    runs once, alone, at its exact shapes -- a fraction of one real step, once per machine and shape
-    (cached on disk; ``MEMEST_CACHE_DIR``). ``calibrate=False`` keeps to the hand-fitted kernel models.
+    Kernels' memory beyond their outputs (workspaces, reorders) is measured on the device
+    (``calibrate=True``, the default): each distinct op signature runs once, alone, at its shapes, a
+    fraction of one real step, cached per machine (``MEMEST_CACHE_DIR``).
 
-    It takes the place of Lightning's ``ModelSummary`` (``max_depth`` and the other arguments mean
-    the same). A failure while estimating or measuring is one warning, never an error; under DDP the
-    ranks agree first, so a failure on one rank is the same warning on every rank and none acts alone.
-    An exception of your own (or Ctrl+C) in the meantime reaches you unchanged, the profiler stopped
-    and the garbage collector on.
+    It takes the place of Lightning's ``ModelSummary`` (``max_depth`` and ``header_style`` as there). A
+    failure while estimating or measuring is one warning, the same on every rank, never an error; an
+    exception of your own (or Ctrl+C) reaches you unchanged, the profiler stopped, the collector on.
 
-    Before the first step it also compares the estimated peak with the memory the device has
-    (``memory_check``: ``"warn"`` (default), ``"raise"`` -- a ``MemoryBudgetError`` that stops fit
-    before any real step and names the largest batch size that fits --, or ``"off"``). The budget is
-    ``memory_budget`` (bytes, ``"10GiB"``, or ``"80%"`` of what the device has) or what
-    ``budget.device_budget`` finds: CUDA's free
-    memory less ``memory_margin_bytes`` and the caching allocator's overhead, or the CPU's available
-    memory.
+    Before the first step it compares the estimated peak with the budget (``memory_check``: ``"warn"``
+    (default), ``"raise"`` -- a ``MemoryBudgetError`` before any real step --, or ``"off"``):
+    ``memory_budget`` (bytes, ``"10GiB"``, ``"80%"`` of the device) or what ``budget.device_budget``
+    finds (CUDA's free memory less ``memory_margin_bytes`` and the allocator's overhead; the CPU's
+    available memory). Over it, the warning or error lists what would fit, each estimated as the step
+    was: the largest batch size, an activation-checkpointing plan (``MemoryBudgetError.options``;
+    ``checkpointing="auto"`` applies the plan before the first step, :attr:`plan`, and the measured
+    steps check it), ``bf16-mixed`` for a ``32-true`` fit, FSDP over several GPUs.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -122,8 +107,11 @@ class MemEstimate(ModelSummary):
         memory_check: Literal["off", "warn", "raise"] = "warn",
         memory_budget: int | str | None = None,
         memory_margin_bytes: int | None = None,
+        checkpointing: Literal["off", "auto"] = "off",
         **summarize_kwargs: Any,
     ) -> None:
+        if checkpointing not in ("off", "auto"):
+            raise ValueError(f"checkpointing must be 'off' or 'auto'; got {checkpointing!r}")
         budget = check_options(
             max_depth=max_depth,
             memory_check=memory_check,
@@ -141,6 +129,10 @@ class MemEstimate(ModelSummary):
         """The budget the pre-check compares with (bytes, or a share of what the device has); ``None``:
         what the device has."""
         self.memory_margin_bytes = memory_margin_bytes
+        self.checkpointing = checkpointing
+        self.plan: CheckpointPlan | None = None
+        """The checkpointing plan ``checkpointing="auto"`` applied (``None``: none was needed, or none
+        fitted)."""
         self.estimate: StepEstimate | None = None
         """The estimate of the first two steps (``None`` before, or if it failed): made at the first
         training batch (on fit start with ``example_batch``), and again at the second where that batch
@@ -198,7 +190,7 @@ class MemEstimate(ModelSummary):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A new fit: nothing of an earlier one carries over.
         self.estimate, self.estimates, self.measured, self.setup_seconds = None, {}, [], None
-        self.setup_cost = None
+        self.setup_cost, self.plan = None, None
         self._batches = FitBatches(self.calibrate)
         self._batches.scan = self._loops.scan  # this call's (setup)
         self._summarized, self._trying, self._guard = False, True, Guard()
@@ -224,13 +216,9 @@ class MemEstimate(ModelSummary):
         self.setup_seconds = time.perf_counter() - start
         self._trying = self.estimate is not None
         if self.estimate is not None:
-            calibrating = self.estimate.calibration.seconds if self.estimate.calibration is not None else 0.0
-            self.setup_cost = SetupCost(
-                total=self.setup_seconds,
-                simulating=self.estimate.estimate_seconds - calibrating,
-                calibrating=calibrating,
-                scanning=self._batches.scan_seconds,
-            )
+            self.setup_cost = SetupCost.of(self.estimate, self.setup_seconds, self._batches.scan_seconds)
+            if self.checkpointing == "auto":
+                self._auto_checkpointing(trainer, pl_module, self.estimate)
             self._note(self.estimate)
             _set_flops_per_batch(pl_module, self.estimate)
             self._log_estimate(trainer, self.estimate)
@@ -242,8 +230,16 @@ class MemEstimate(ModelSummary):
                 trainer,
                 self._guard,
                 estimate,
-                lambda: self._training_fits(trainer, estimate),
+                lambda: self._training_fits(trainer, pl_module, estimate),
             )
+
+    def _auto_checkpointing(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, estimate: StepEstimate
+    ) -> None:
+        """``checkpointing="auto"``: the plan applied before the first step (``fit_advice.apply_plan``)."""
+        plan = apply_plan(trainer, pl_module, self._batches, self._budget(), self._guard, estimate)
+        if plan is not None:
+            self.plan, self.estimate = plan, plan.estimate
 
     def _note(self, estimate: StepEstimate) -> None:
         for shapes in estimate.batch_shapes or ():
@@ -257,17 +253,12 @@ class MemEstimate(ModelSummary):
     def _budget(self) -> BudgetCheck:
         return BudgetCheck(self.memory_check, self.memory_budget, self.memory_margin_bytes)
 
-    def _training_fits(self, trainer: pl.Trainer, estimate: StepEstimate) -> PrecheckResult:
-        """``estimate`` against the budget; where it is over, the largest batch size whose estimate,
-        made as this one was (its residents, its calibration), fits."""
-        step = self._batches.sized
-        if step is None:
-            raise RuntimeError("no estimate to check")  # (the hook estimates right before)
-
-        def search(budget: int) -> int:
-            return step.largest_batch(budget).max_batch_size
-
-        return self._budget().result(estimate, trainer.strategy.root_device, step.batch_size, search)
+    def _training_fits(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, estimate: StepEstimate
+    ) -> PrecheckResult:
+        """``estimate`` against the budget; where it is over, the largest batch size and what else
+        would fit, each estimated as this one was (``adapter/fit_advice.py``)."""
+        return training_check(trainer, pl_module, self._batches, self._budget(), estimate)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -287,18 +278,11 @@ class MemEstimate(ModelSummary):
         self._silenced = []
 
     def _print_summary(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        summary = self._summary(trainer, pl_module)
-        footer = footer_items(self.estimate) if self.estimate is not None else []
-        footer += loop_footer_items(self.loop_estimates)
         if trainer.is_global_zero:
-            render_summary(
-                with_estimate(summary._get_summary_data(), self.estimate),
-                summary.total_parameters,
-                summary.trainable_parameters,
-                summary.model_size,
-                summary.total_training_modes,
-                total_flops(self.estimate, getattr(summary, "total_flops", 0)),
-                footer,
+            show_summary(
+                self._summary(trainer, pl_module),
+                self.estimate,
+                self.loop_estimates,
                 rich=self._rich,
                 header_style=self._summarize_kwargs.get("header_style"),
             )
@@ -367,7 +351,7 @@ class MemEstimate(ModelSummary):
             trainer,
             self._guard,
             larger,
-            lambda: self._training_fits(trainer, larger),
+            lambda: self._training_fits(trainer, pl_module, larger),
             everywhere=False,
         )
 
@@ -520,29 +504,9 @@ class MemEstimate(ModelSummary):
     ) -> None:
         self._loops.on_batch_end(trainer, self._guard)
 
-    @override
-    def on_test_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._loops.on_batch_end(trainer, self._guard)
-
-    @override
-    def on_predict_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._loops.on_batch_end(trainer, self._guard)
+    # The same for the other loops' batches (the three hooks take the same arguments).
+    on_test_batch_end = on_validation_batch_end
+    on_predict_batch_end = on_validation_batch_end
 
     def _loop_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, dataloader_idx: int, loop: Loop

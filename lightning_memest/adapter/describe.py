@@ -30,6 +30,12 @@ class SetupCost:
     scanning: float
     """Finding the other live tensors (CPU: a scan of the garbage collector's objects)."""
 
+    @staticmethod
+    def of(estimate: StepEstimate, total: float, scanning: float) -> SetupCost:
+        """The cost of ``estimate``, made in ``total`` seconds of which ``scanning`` went to the scan."""
+        calibrating = estimate.calibration.seconds if estimate.calibration is not None else 0.0
+        return SetupCost(total, estimate.estimate_seconds - calibrating, calibrating, scanning)
+
     @property
     def rest(self) -> float:
         """Reading the trainer, the accounting of the events, the report."""

@@ -16,6 +16,7 @@ Example (in a callback's ``on_fit_start``, where the module is attached and on i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +33,7 @@ from lightning_memest.adapter.runner import LightningRunner
 from lightning_memest.adapter.weight_averaging import WeightAveragingMirror
 from lightning_memest.engine.distributed import DDP, Strategy, fsdp_like
 from lightning_memest.engine.simulate import Simulation, simulate
-from lightning_memest.engine.step import Precision, StepConfig, StepListener, check_precision
+from lightning_memest.engine.step import Precision, StepConfig, StepListener, autocast, check_precision
 from lightning_memest.errors import EstimationError
 from lightning_memest.report import StepEstimate
 from lightning_memest.search import DEFAULT_CAP, BatchSizeResult, Progress
@@ -116,6 +117,18 @@ class FitSetup:
                 residents=residents,
                 companions=averaging.companions if averaging is not None else (),
             )
+
+    def varied(self, *, precision: Precision | None = None, strategy: Strategy | None = None) -> FitSetup:
+        """This fit with another precision (its autocast, or its dtype for ``*-true``) or data
+        parallelism: a variant the pre-check's advice estimates (``advice.advise``)."""
+        config = StepConfig(
+            precision=precision or self.config.precision,
+            strategy=strategy if strategy is not None else self.config.strategy,
+        )
+        if precision is None or precision == self.config.precision:
+            return dataclasses.replace(self, config=config)
+        device_type = self.device.type
+        return dataclasses.replace(self, config=config, step_context=lambda: autocast(device_type, precision))
 
     def sized(
         self,

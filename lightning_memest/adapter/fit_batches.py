@@ -157,6 +157,8 @@ class FitBatches:
         self.sized: SizedStep | None = None
         """The latest estimate's step, its batch size left open: what the pre-check's largest batch
         is searched over, so that it is the checked estimate's (until the next batch starts)."""
+        self.checked: tuple[FitSetup, list[Tensor]] | None = None
+        """The latest estimate's fit and the other tensors beside it: for the advice's variants."""
         self._others: tuple[Any, list[Tensor]] | None = None
         self._largest: list[tuple[int, ...]] | None = None
         self._estimated: dict[Signature, StepEstimate] = {}
@@ -197,7 +199,7 @@ class FitBatches:
         residents = self._scan(trainer, module, () if given else batch)
         self._others = None if given else (batch, residents)
         estimate = self._estimate(
-            fit.sized(steps=2, calibrate=self._calibration(measuring), residents=residents)
+            fit.sized(steps=2, calibrate=self._calibration(measuring), residents=residents), fit, residents
         )
         self.first = light_copy(batch)
         self.reads_values = estimate.reads_values
@@ -227,7 +229,9 @@ class FitBatches:
         estimate = self._estimate(
             fit.sized(
                 steps=2, calibrate=self._calibration(measuring), next_batches=[batch], residents=residents
-            )
+            ),
+            fit,
+            residents,
         )
         self._note(batch, estimate)
         return estimate
@@ -261,12 +265,14 @@ class FitBatches:
             return None
         fit = self._fit(trainer, module, batch, False, (batch_idx,))
         residents = self._scan(trainer, module, batch)
-        estimate = self._estimate(fit.sized(steps=2, calibrate=self._calibration(False), residents=residents))
+        estimate = self._estimate(
+            fit.sized(steps=2, calibrate=self._calibration(False), residents=residents), fit, residents
+        )
         self._note(batch, estimate)
         return estimate
 
-    def _estimate(self, step: SizedStep) -> StepEstimate:
-        self.sized = step
+    def _estimate(self, step: SizedStep, fit: FitSetup, residents: list[Tensor]) -> StepEstimate:
+        self.sized, self.checked = step, (fit, residents)
         return step.estimate_at()
 
     def _scan(
@@ -283,7 +289,7 @@ class FitBatches:
         for its measurement to start from without a second scan; ``None`` where none did. Called at
         every batch's start, so that no batch's tensors are held past it."""
         others, self._others = self._others, None
-        self.sized = None  # its residents are this batch's start's: not to be held past it
+        self.sized = self.checked = None  # its residents are this batch's start's: not held past it
         return others[1] if others is not None and others[0] is batch else None
 
     def _note(self, batch: Any, estimate: StepEstimate) -> None:

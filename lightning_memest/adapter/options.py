@@ -9,7 +9,7 @@ Example:
     ...               flags={}, summarize_kwargs={"memory_budjet": "1KiB"})
     Traceback (most recent call last):
     ...
-    TypeError: MemEstimate() got an unexpected keyword argument 'memory_budjet'; its arguments are max_depth, check, calibrate, example_batch, memory_check, memory_budget, memory_margin_bytes, header_style
+    TypeError: MemEstimate() got an unexpected keyword argument 'memory_budjet'; its arguments are max_depth, check, calibrate, example_batch, memory_check, memory_budget, memory_margin_bytes, checkpointing, header_style
 """  # noqa: E501
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ ARGUMENTS = (
     "memory_check",
     "memory_budget",
     "memory_margin_bytes",
+    "checkpointing",
 )
 
 _CHECKS = ("off", "warn", "raise")

@@ -15,7 +15,7 @@ the user configured logging -- so it is shown, and silenced, exactly as Lightnin
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from lightning.pytorch.callbacks import Callback, ModelSummary, RichModelSummary
 from lightning.pytorch.callbacks import model_summary as lightning_summary
@@ -36,6 +36,7 @@ __all__ = [
     "loop_footer_items",
     "render_summary",
     "restore_summaries",
+    "show_summary",
     "silence_other_summaries",
     "total_flops",
     "with_estimate",
@@ -162,6 +163,31 @@ def total_flops(estimate: StepEstimate | None, lightning_total: int) -> int:
     if estimate is None or estimate.flops is None:
         return lightning_total
     return estimate.flops.forward
+
+
+def show_summary(
+    summary: Any,
+    estimate: StepEstimate | None,
+    loop_estimates: Mapping[str, StepEstimate],
+    *,
+    rich: bool | None = None,
+    header_style: str | None = None,
+) -> None:
+    """Lightning's ``summary`` (a ``ModelSummary``) with the estimate's columns and footer, and the
+    other loops' estimates under it (see :func:`render_summary`)."""
+    footer = footer_items(estimate) if estimate is not None else []
+    footer += loop_footer_items(loop_estimates)
+    render_summary(
+        with_estimate(summary._get_summary_data(), estimate),
+        summary.total_parameters,
+        summary.trainable_parameters,
+        summary.model_size,
+        summary.total_training_modes,
+        total_flops(estimate, getattr(summary, "total_flops", 0)),
+        footer,
+        rich=rich,
+        header_style=header_style,
+    )
 
 
 def render_summary(

@@ -361,6 +361,46 @@ def _max_batch_size(settings: Settings, out: TextIO) -> None:
         )
 
 
+def _plan(settings: Settings, out: TextIO) -> None:
+    from lightning_memest.plan import plan_checkpointing
+
+    args = settings.args
+    with _progress(settings) as progress:
+        progress.update(f"building {args.model}")
+        case = settings.build(args.model)
+        progress.update(f"planning {args.model}: estimating, solving, simulating the plan")
+        plan = plan_checkpointing(
+            case.model,
+            case.batch,
+            args.budget,
+            modules=[m.strip() for m in args.modules.split(",") if m.strip()] if args.modules else (),
+            kinds=tuple(args.kinds.split(",")),
+            loss_fn=case.config.loss_fn,
+            optimizer=case.config.optimizer,
+            precision=case.config.precision,
+            device=args.device,
+            strategy=settings.strategy,
+            gpu=settings.gpu,
+            calibrate=args.calibrate,
+            max_batch_size=args.search_batch,
+        )
+    if not plan.fits:
+        print(f"{PROG}: no checkpointing of these modules fits: {plan.describe()}", file=sys.stderr)
+    if args.json:
+        print(json.dumps({**plan.to_json(), "approximate": plan.estimate.approximate}), file=out)
+        return
+    print(f"checkpointing plan for {args.model} ({settings.describe()})", file=out)
+    if plan.estimate.approximate:
+        print("  APPROXIMATE: no GPU here; simulated on the CPU and accounted as CUDA", file=out)
+    print(f"  {plan}".replace("\n", "\n  "), file=out)
+    before, after = format_bytes(plan.baseline.peak_bytes), format_bytes(plan.peak_bytes)
+    print(
+        f"\n  peak before {before}, with the plan {after} (re-simulated); {plan.simulations} simulations "
+        f"in {plan.seconds:.2f} s",
+        file=out,
+    )
+
+
 #: The command functions, by name: ``COMMANDS[name](settings, out)``.
 COMMANDS: dict[str, Callable[[Settings, TextIO], None]] = {
     "estimate": _estimate,
@@ -368,4 +408,5 @@ COMMANDS: dict[str, Callable[[Settings, TextIO], None]] = {
     "compare": _compare,
     "max-batch-size": _max_batch_size,
     "profile": _profile,
+    "plan": _plan,
 }

@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action=_Version)
     sub = parser.add_subparsers(
-        dest="command", required=True, metavar="{estimate,measure,compare,profile,max-batch-size}"
+        dest="command", required=True, metavar="{estimate,measure,compare,profile,max-batch-size,plan}"
     )
     for name, help_text in (
         ("estimate", "estimate the peak memory of a training step, without running it"),
@@ -297,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_calibrate_flag(p)
     _add_max_batch_size_parser(sub)
     _add_profile_parser(sub)
+    _add_plan_parser(sub)
     return parser
 
 
@@ -498,6 +499,45 @@ def _add_max_batch_size_parser(sub: Any) -> None:
         help=f"the largest batch size considered (default {DEFAULT_CAP}; at most 2**31-1)",
     )
     _add_calibrate_flag(p)  # calibrated at --batch-size and half of it, fitted for the other probes
+    _add_strategy_flags(p)
+    _add_gpu_flags(p, memory=False)
+
+
+def _add_plan_parser(sub: Any) -> None:
+    help_text = (
+        "plan activation checkpointing for a memory budget: the least recompute whose estimated peak "
+        "fits, proven by simulating the step with the plan applied"
+    )
+    p = sub.add_parser("plan", help=help_text, description=help_text)
+    p.add_argument("model", metavar="MODEL", help=_MODEL_HELP)
+    _add_case_flags(p)
+    p.add_argument(
+        "--budget",
+        type=_size,
+        required=True,
+        metavar="SIZE",
+        help="the memory for the step: bytes, or a number and a unit (24GiB, 512MiB, 1.5GB, 8g)",
+    )
+    p.add_argument(
+        "--modules",
+        metavar="NAME,...",
+        default=None,
+        help="qualified names of modules to consider besides the model's repeated blocks",
+    )
+    p.add_argument(
+        "--kinds",
+        choices=("full,selective", "full", "selective"),
+        default="full,selective",
+        help="the checkpointing offered: full (the block's forward again in backward), selective (torch's "
+        "selective checkpointing, the matrix products saved) or both (default)",
+    )
+    p.add_argument(
+        "--max-batch-size",
+        action="store_true",
+        dest="search_batch",
+        help="also find the largest batch size that fits the budget with the plan",
+    )
+    _add_calibrate_flag(p)
     _add_strategy_flags(p)
     _add_gpu_flags(p, memory=False)
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from lightning_memest.errors import MemestError
 from lightning_memest.plan.checkpointing import CheckpointKind, CheckpointPolicy, apply_checkpointing
-from lightning_memest.report import StepEstimate, format_bytes, human_flops
+from lightning_memest.report import StepEstimate, format_bytes, format_share, human_flops
 
 __all__ = ["CandidateModule", "CheckpointPlan"]
 
@@ -132,7 +132,7 @@ class CheckpointPlan:
         return (
             f"checkpointing {what}: peak {format_bytes(self.baseline.peak_bytes)} -> "
             f"{format_bytes(self.peak_bytes)}, {verdict} the budget of {format_bytes(self.budget_bytes)}, "
-            f"+{100 * self.recompute_share:.1f} % FLOPs"
+            f"+{format_share(self.recompute_share)} FLOPs"
         )
 
     def __str__(self) -> str:

@@ -1,0 +1,138 @@
+"""The pre-check of a training batch, with what to do when it does not fit: ``MemEstimate``'s advice, and
+its ``checkpointing="auto"``.
+
+:func:`training_check` compares the estimate with the budget and, where it is over, searches the largest
+batch size over the estimate's own step (``sizing.SizedStep``) and estimates the other options
+(``advice.advise``): an activation-checkpointing plan of the module, ``bf16-mixed`` where the fit is
+``32-true``, FSDP over the GPUs of a CUDA machine with several -- each simulated as the step was.
+:func:`auto_plan` is the opt-in: the plan with the least recompute that fits, to apply before the
+first step.
+
+Example (in a callback, right after the estimate)::
+
+    result = training_check(trainer, pl_module, batches, budget_check, estimate)
+    print(result.message)  # ... what would fit, each estimated, cheapest first: (1) batch size 62: ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_memest.adapter.budget_check import BudgetCheck
+from lightning_memest.adapter.fit import FitSetup
+from lightning_memest.adapter.fit_batches import FitBatches
+from lightning_memest.adapter.guard import Guard
+from lightning_memest.advice import Option, advise
+from lightning_memest.budget import PrecheckResult, budget_for
+from lightning_memest.engine.distributed import FSDP
+from lightning_memest.plan import CheckpointPlan, plan_step
+from lightning_memest.report import StepEstimate
+from lightning_memest.search import BatchSizeResult
+from lightning_memest.sizing import SizedStep
+
+__all__ = ["apply_plan", "auto_plan", "training_check"]
+
+
+def _checked(batches: FitBatches) -> tuple[SizedStep, FitSetup, list[torch.Tensor]]:
+    step, checked = batches.sized, batches.checked
+    if step is None or checked is None:
+        raise RuntimeError("no estimate to check")  # (the hook estimates right before)
+    return step, checked[0], checked[1]
+
+
+def _variants(
+    fit: FitSetup, residents: list[torch.Tensor], step: SizedStep
+) -> dict[str, tuple[str, Callable[[], SizedStep]]]:
+    """The other ways to run this fit the advice estimates."""
+    variants: dict[str, tuple[str, Callable[[], SizedStep]]] = {}
+
+    def sized(variant: FitSetup) -> Callable[[], SizedStep]:
+        return lambda: variant.sized(calibrate=step.calibrate, residents=residents)
+
+    if fit.config.precision == "32-true":
+        variants["precision bf16-mixed"] = (
+            "bf16 autocast's numerics",
+            sized(fit.varied(precision="bf16-mixed")),
+        )
+    gpus = torch.cuda.device_count() if fit.device.type == "cuda" and fit.config.strategy is None else 0
+    if gpus > 1:
+        variants[f"FSDP over {gpus} GPUs"] = (
+            "sharded weights, gradients and optimizer state; their communication",
+            sized(fit.varied(strategy=FSDP(gpus))),
+        )
+    return variants
+
+
+def training_check(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    batches: FitBatches,
+    budget: BudgetCheck,
+    estimate: StepEstimate,
+) -> PrecheckResult:
+    """``estimate`` (the latest of ``batches``) against the budget; where it is over, the largest batch
+    size and the other options that would fit, each estimated as the step was."""
+    step, fit, residents = _checked(batches)
+    found: list[BatchSizeResult] = []
+
+    def search(budget_bytes: int) -> int:
+        found.append(step.largest_batch(budget_bytes))
+        return found[-1].max_batch_size
+
+    def options(budget_bytes: int) -> tuple[Option, ...]:
+        largest = found[-1] if found else None
+        return advise(
+            step, budget_bytes, model=module, largest=largest, variants=_variants(fit, residents, step)
+        )
+
+    return budget.result(estimate, trainer.strategy.root_device, step.batch_size, search, options=options)
+
+
+def auto_plan(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    batches: FitBatches,
+    budget: BudgetCheck,
+    estimate: StepEstimate,
+) -> CheckpointPlan | None:
+    """The checkpointing plan for the latest estimate of ``batches`` where it is over the budget and a
+    plan fits (``None`` where the step fits as it is, or nothing fits)."""
+    step, _, _ = _checked(batches)
+    budget_bytes = budget_for(
+        estimate,
+        trainer.strategy.root_device,
+        memory_budget=budget.memory_budget,
+        margin_bytes=budget.margin_bytes,
+    )
+    if estimate.peak_bytes <= budget_bytes:
+        return None
+    plan = plan_step(step, module, budget_bytes)
+    return plan if plan.fits and plan.modules else None
+
+
+def apply_plan(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    batches: FitBatches,
+    budget: BudgetCheck,
+    guard: Guard,
+    estimate: StepEstimate,
+) -> CheckpointPlan | None:
+    """``MemEstimate(checkpointing="auto")``: where ``estimate`` is over the budget and a plan fits, the
+    plan applied to ``module`` before the first step -- on every rank alike, or on none (the ranks
+    agree) -- and said in one line; the plan, or ``None`` where none was applied."""
+    plan = guard.together(
+        trainer,
+        "planning activation checkpointing",
+        lambda: auto_plan(trainer, module, batches, budget, estimate),
+    )
+    if not trainer.strategy.reduce_boolean_decision(plan is not None, all=True) or plan is None:
+        return None
+    plan.apply(module)
+    if trainer.is_global_zero:
+        rank_zero_info(f"MemEstimate: {plan.describe()}; applied (checkpointing='auto')")
+    return plan
