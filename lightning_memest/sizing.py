@@ -68,6 +68,9 @@ class SizedStep:
     loop: str = "train"
     next_batches: Sequence[Any] = ()
     _estimates: dict[int, StepEstimate] = field(default_factory=dict, repr=False)  # -1: the batch in hand
+    _trace: list[tuple[Simulation, Calibration | None, StepEstimate]] = field(
+        default_factory=list, repr=False
+    )
 
     @property
     def batch_size(self) -> int:
@@ -93,11 +96,26 @@ class SizedStep:
     def estimate_at(self, n: int | None = None) -> StepEstimate:
         """The ``StepEstimate`` at batch size ``n`` (default: the batch in hand, as it is), with this
         step's residents and calibration; each size is estimated once."""
+        if n is None and self._trace:
+            return self._trace[0][2]
         key = -1 if n is None else n
         known = self._estimates.get(key)
         if known is None:
             known = self._estimates[key] = self.traced_at(n)[2]
         return known
+
+    @property
+    def has_trace(self) -> bool:
+        """Whether :meth:`traced` has run (its simulation is kept)."""
+        return bool(self._trace)
+
+    def traced(self) -> tuple[Simulation, Calibration | None, StepEstimate]:
+        """:meth:`traced_at` of the batch in hand, made once (what :meth:`estimate_at` returns the last
+        of): the first estimate's simulation, for a caller that reads its events (a checkpointing plan)."""
+        if not self._trace:
+            self._trace.append(self.traced_at())
+            self._estimates.setdefault(-1, self._trace[0][2])
+        return self._trace[0]
 
     def traced_at(self, n: int | None = None) -> tuple[Simulation, Calibration | None, StepEstimate]:
         """The simulation at batch size ``n`` (default: the batch in hand), its calibration (``None``
@@ -109,7 +127,7 @@ class SizedStep:
 
     def fresh(self) -> SizedStep:
         """This step with nothing estimated yet (for a model changed since: a plan applied)."""
-        return dataclasses.replace(self, _estimates={})
+        return dataclasses.replace(self, _estimates={}, _trace=[])
 
     def largest_batch(
         self, budget_bytes: int, *, cap: int = DEFAULT_CAP, progress: Progress | None = None

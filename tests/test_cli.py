@@ -708,23 +708,20 @@ _PLANNED = (
 )
 
 
-def test_plan_prints_the_plan_and_its_json_holds_every_figure() -> None:
-    """``memest plan``: the table of checkpointed modules and the peaks before and after; ``--json`` the
-    same plan, whose peak is the re-simulated estimate's and within the budget."""
-    peak = json.loads(memest("estimate", *_PLANNED, "--json").stdout)["peak_bytes"]["steady_state"]
+def test_plan_prints_the_plan_and_its_json_holds_every_figure(capsys: pytest.CaptureFixture[str]) -> None:
+    """``memest plan``: the table of checkpointed modules and the peaks before and after (the command,
+    in a fresh process); ``--json`` the same plan, whose peak is the re-simulated estimate's and within
+    the budget; where nothing fits, a note on stderr and the floor."""
+    peak = run_json(capsys, "estimate", *_PLANNED)["peak_bytes"]["steady_state"]
     budget = str(peak - peak // 5)
     proc = memest("plan", *_PLANNED, "--budget", budget)
     assert proc.returncode == 0, proc.stderr
     assert "checkpointing" in proc.stdout and "within the budget" in proc.stdout
     assert "blocks.0" in proc.stdout and "(re-simulated)" in proc.stdout
-    data = json.loads(memest("plan", *_PLANNED, "--budget", budget, "--json", "--kinds", "full").stdout)
+    data = run_json(capsys, "plan", *_PLANNED, "--budget", budget, "--kinds", "full")
     assert data["fits"] and data["peak_bytes"]["before"] == peak
     assert data["peak_bytes"]["after"] == data["estimate"]["peak_bytes"]["steady_state"] <= int(budget)
     assert {m["kind"] for m in data["modules"]} == {"full"} and data["recompute_flops"] > 0
-
-
-def test_plan_says_when_nothing_fits() -> None:
-    proc = memest("plan", *_PLANNED, "--budget", "1MiB")
-    assert proc.returncode == 0
-    assert "no checkpointing of these modules fits" in proc.stderr
-    assert "nothing fits: every candidate checkpointed in full peaks at" in proc.stdout
+    code, out, err = run(capsys, "plan", *_PLANNED, "--budget", "1MiB")
+    assert code == 0 and "no checkpointing of these modules fits" in err
+    assert "nothing fits: every candidate checkpointed in full peaks at" in out

@@ -118,8 +118,8 @@ def plan_step(
     for kind in kinds:
         if kind not in KINDS:
             raise ValueError(f"a checkpoint kind is one of {', '.join(KINDS)}; got {kind!r}")
-    sim, calibration, first = baseline if baseline is not None else step.traced_at()
-    simulations = 1 if baseline is None else 0
+    simulations = 0 if baseline is not None or step.has_trace else 1
+    sim, calibration, first = baseline if baseline is not None else step.traced()
     paths = find_candidates(model, modules)
     windows = block_windows(sim, paths, calibration)
     costs = [_costs(first, c.path, kinds) for c in windows.candidates]
