@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -23,16 +24,53 @@ from torch import Tensor
 
 from lightning_memest.errors import MemestError
 
-__all__ = ["batch_size_of", "iter_tensors", "map_tensors", "resize_batch"]
+__all__ = ["batch_size_of", "graph_data", "iter_tensors", "map_tensors", "resize_batch"]
+
+
+def graph_data(value: Any) -> bool:
+    """Whether ``value`` is a graph library's batch object (torch_geometric's ``Data``, ``HeteroData``,
+    ``Batch``): tensors in stores behind attributes, listed by ``to_dict()``, mapped by ``apply``. Duck
+    typed, so that no graph library is imported."""
+    kind = type(value)
+    return all(callable(getattr(kind, name, None)) for name in ("apply", "to_dict")) and hasattr(
+        value, "stores"
+    )
+
+
+def _graph_types(batch: Any) -> tuple[type, ...]:
+    """The types of the graph-data objects anywhere in ``batch`` (usually none)."""
+    found: dict[type, None] = {}
+    stack = [batch]
+    while stack:
+        value = stack.pop()
+        if graph_data(value):
+            found[type(value)] = None
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            stack.extend(getattr(value, f.name) for f in dataclasses.fields(value))
+    return tuple(found)
 
 
 def map_tensors(batch: Any, fn: Callable[[Tensor], Any]) -> Any:
-    """``batch`` rebuilt with ``fn(t)`` in place of every tensor ``t``.
+    """``batch`` rebuilt with ``fn(t)`` in place of every tensor ``t`` (a graph batch object is copied
+    and its copy's tensors mapped; the original is left as it is).
 
     >>> map_tensors((torch.ones(2), [torch.zeros(1)], 3), lambda t: t.shape[0])
     (2, [1], 3)
     """
-    return apply_to_collection(batch, Tensor, fn)
+    graphs = _graph_types(batch)
+    if not graphs:
+        return apply_to_collection(batch, Tensor, fn)
+
+    def mapped(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return fn(value)
+        return copy.copy(value).apply(fn)
+
+    return apply_to_collection(batch, (Tensor, *graphs), mapped)
 
 
 def iter_tensors(batch: Any) -> Iterator[Tensor]:
@@ -52,6 +90,8 @@ def iter_tensors(batch: Any) -> Iterator[Tensor]:
     elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         for f in dataclasses.fields(batch):
             yield from iter_tensors(getattr(batch, f.name))
+    elif graph_data(batch):
+        yield from iter_tensors(batch.to_dict())
 
 
 def batch_size_of(batch: Any) -> int:
@@ -60,6 +100,8 @@ def batch_size_of(batch: Any) -> int:
     >>> batch_size_of({"x": torch.zeros(4, 3), "y": (torch.zeros(4),)})
     4
     """
+    if graph_data(batch) and isinstance(getattr(batch, "num_graphs", None), int):
+        return int(batch.num_graphs)  # a batch of graphs: its graphs, not its nodes
     sizes = [t.shape[0] for t in iter_tensors(batch) if t.ndim]
     if not sizes:
         raise MemestError("the batch holds no tensor with a batch dimension, so it cannot be resized")
@@ -80,6 +122,12 @@ def resize_batch(batch: Any, old: int, new: int) -> Any:
     >>> x.shape, x.device, y.dtype
     (torch.Size([1000, 3, 32, 32]), device(type='meta'), torch.int64)
     """
+
+    if _graph_types(batch):
+        raise MemestError(
+            "a batch of graphs cannot be resized by its leading sizes (nodes and edges vary per graph): "
+            "estimate the batch in hand, or give the largest batch to expect (example_batch=)"
+        )
 
     def resize(t: Tensor) -> Tensor:
         if t.ndim == 0 or t.shape[0] != old:

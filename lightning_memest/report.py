@@ -306,6 +306,9 @@ class StepEstimate:
     loop: str = "train"
     """What each simulated step ran: ``"train"`` (forward, backward, optimizer step), or one batch of a
     forward-only loop, ``"validate"``, ``"test"`` or ``"predict"`` (``validation_step``, ...)."""
+    real_ops: dict[str, int] | None = None
+    """Ops whose fake kernel failed and that ran for real on stand-ins of their inputs, with their
+    calls (``engine.real_ops``); ``None`` where none did."""
 
     def __repr__(self) -> str:
         peaks = ", ".join(f"step {p.step} {p.bytes:,} B" for p in self.peaks)
@@ -375,6 +378,7 @@ class StepEstimate:
             "estimate_seconds": round(self.estimate_seconds, 4),
             "approximate": self.approximate,
             "loop": self.loop,
+            "real_ops": self.real_ops,
             "data_dependent": self.data_dependent_json(),
             "calibration": None
             if self.calibration is None

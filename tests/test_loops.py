@@ -135,6 +135,54 @@ class HFCausalLM(pl.LightningModule):
     predict_dataloader = val_dataloader
 
 
+class PaddedEncoder(pl.LightningModule):
+    """``nn.TransformerEncoder`` over padded token batches with a ``src_key_padding_mask``: in eval
+    (validation, test, predict) PyTorch takes its nested-tensor fast path, packing only the real tokens
+    (``_nested_tensor_from_mask``, which fake tensors cannot carry: those ops run for real)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(300, 64)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(64, 4, 128, batch_first=True), 2)
+        self.head = nn.Linear(64, 2)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(1, 300, (64, 24), generator=g)
+        lengths = torch.randint(6, 25, (64,), generator=g)
+        pad = torch.arange(24)[None] >= lengths[:, None]
+        ids[pad] = 0
+        self.data = TensorDataset(ids, pad, torch.randint(0, 2, (64,), generator=g))
+
+    def forward(self, ids: Tensor, pad: Tensor) -> Tensor:
+        hidden = self.enc(self.emb(ids), src_key_padding_mask=pad)
+        return self.head(hidden.masked_fill(pad[..., None], 0).sum(1))  # type: ignore[no-any-return]
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        ids, pad, y = batch
+        return nn.functional.cross_entropy(self(ids, pad), y)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        ids, pad, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(ids, pad), y))
+
+    test_step = validation_step
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        ids, pad, _ = batch
+        return self(ids, pad).softmax(-1)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.data, batch_size=8)
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.data, batch_size=16)
+
+    test_dataloader = val_dataloader
+    predict_dataloader = val_dataloader
+
+
 @dataclass
 class LoopCase:
     name: str
@@ -149,6 +197,7 @@ CASES = (
     LoopCase("conv_torchmetrics", ConvClassifier),
     LoopCase("conv_bf16_mixed", ConvClassifier, precision="bf16-mixed"),
     LoopCase("hf_gpt2", HFCausalLM),
+    LoopCase("padded_encoder_nested_fast_path", PaddedEncoder),
 )
 
 

@@ -223,6 +223,7 @@ def account(
         batch_shapes=sim.batch_shapes,
         reads_values=sim.value_reads > 0,
         loop=loop,
+        real_ops=dict(sim.real_ops) if sim.real_ops else None,
     )
 
 

@@ -222,6 +222,8 @@ class LiveBytes(Observer):
                 for handle, extra in zip(e.outputs, effect.extra_output_bytes, strict=False):
                     if extra:
                         self.growth[handle] = self.growth.get(handle, 0) + extra
+        elif e.workspace:  # measured where the op ran for real
+            self.workspace = e.workspace
         self.op_high = -1
         self._high(self.live + self.workspace)
 
@@ -346,6 +348,8 @@ class CachingAllocatorReplay(Observer):
                 self.workspace = effect.workspace_bytes
             elif effect.workspace_bytes:
                 allocator.free(allocator.malloc(effect.workspace_bytes))
+        elif e.workspace:  # measured where the op ran for real
+            self.workspace = e.workspace
 
     def finish(self) -> None:
         self._close_workspace()

@@ -113,6 +113,9 @@ def footer_items(estimate: StepEstimate) -> list[tuple[str, str]]:
         items.append(
             ("Tensor values read (assumed, see MemEstimate.estimate)", str(len(estimate.data_dependent)))
         )
+    if estimate.real_ops:
+        calls = ", ".join(f"{op} ({n} calls)" if n > 1 else op for op, n in estimate.real_ops.items())
+        items.append(("Run for real (their fake kernels failed)", calls))
     return items
 
 

@@ -74,6 +74,13 @@ class TensorMeta:
 
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:
+        if t.is_nested:  # no one shape: described as its packed elements
+            return TensorMeta((t.numel(),), (1,), t.dtype, t.device.type, t.untyped_storage().nbytes())
+        if t.layout is not torch.strided:  # sparse: no strides, its bytes in its compressed parts
+            from lightning_memest.engine.tracker import storages_of
+
+            nbytes = sum(s.nbytes() for s in storages_of(t))
+            return TensorMeta(tuple(t.shape), (), t.dtype, t.device.type, nbytes)
         return TensorMeta(
             tuple(t.shape), tuple(t.stride()), t.dtype, t.device.type, t.untyped_storage().nbytes()
         )
@@ -156,6 +163,9 @@ class OpEvent:
     numel: int = 0
     """Elements of the op's first tensor output (0 when it returns none); recorded for every op, so that
     per-element work (pointwise FLOPs) is known without capturing the call."""
+    workspace: int = 0
+    """Bytes the op's kernel allocated beyond its outputs, measured, where it ran for real
+    (``engine.real_ops``: its fake kernel failed); 0 otherwise (kernel models say)."""
 
 
 @dataclass(frozen=True, slots=True)

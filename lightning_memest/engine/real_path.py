@@ -48,8 +48,9 @@ most :data:`VALUE_LIMIT` elements -- computed on small real CPU tensors beside t
 A scalar read (``.item()``, ``bool(t)``, ``torch.equal``) of a known value returns it, and an op whose
 output size depends on known values (``nonzero``, boolean indexing) gets its real size; neither is a
 data-dependent assumption any more. Reads of anything else still go to the engine's policy
-(``engine.data_dependent``). Floating-point tensors never carry values: activations and weights stay
-fake, and no memory of the user's size is allocated.
+(``engine.data_dependent``). Floating-point tensors carry values only where they are made from known
+values alone (a padding mask turned into a float mask): activations and weights stay fake, and no
+memory of the user's size is allocated.
 
 One thing a real step allocates is no op at all: ``torch.get_rng_state()`` copies the CPU generator's
 state into a new 5,056-byte tensor (activation checkpointing keeps one per checkpointed segment until its
@@ -278,7 +279,12 @@ class KnownValues:
                 raise
             self.reads += 1
             return self._fake_of(real, _first_fake(args, kwargs))  # the real size
-        from_values = all_known or (valued == 0 and _from_constants(func, unvalued))
+        # Integer and boolean outputs of known values or of constants keep their values; floating-point
+        # ones only where every tensor argument is known (not a float made of a shape alone: an
+        # optimizer's zeros_like of a weight).
+        from_values = all_known or (
+            valued == 0 and _from_constants(func, unvalued) and _all_small(out, False)
+        )
         if from_values and _all_small(out) and _attach(out, _run_real(func, args, kwargs)):
             return out
         if valued:
@@ -356,12 +362,16 @@ def _from_constants(func: torch._ops.OpOverload, tensors: int) -> bool:
     return not tensors
 
 
-def _all_small(out: Any) -> bool:
-    """Every output is an integer or boolean tensor of at most :data:`VALUE_LIMIT` elements."""
+def _all_small(out: Any, floats: bool = True) -> bool:
+    """Every output is a tensor of at most :data:`VALUE_LIMIT` elements, of an integer or boolean dtype
+    or, with ``floats``, a floating-point one: an op of known values keeps its outputs' values whatever
+    their dtype (a padding mask made a float mask of ``0``/``-inf``, as ``nn.MultiheadAttention`` does,
+    then compared again), though only integer and boolean tensors are known to begin with."""
     if isinstance(out, Tensor):
-        return _valued_kind(out)
+        kind_ok = floats or not out.is_floating_point()
+        return kind_ok and not (out.is_complex() or out.is_quantized) and out.numel() <= VALUE_LIMIT
     if isinstance(out, (tuple, list)):
-        return len(out) > 0 and all(_all_small(o) for o in out)
+        return len(out) > 0 and all(_all_small(o, floats) for o in out)
     return False
 
 

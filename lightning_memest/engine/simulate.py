@@ -5,6 +5,7 @@ Knows nothing of accounting or reports: ``accounting.account`` turns the stream 
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -94,6 +95,8 @@ class Simulation:
     what_if: str | None = None
     """``"cuda"`` when CUDA was asked for on a machine without one: the step ran on fake CPU tensors
     with CUDA's optimizer defaults, and the accounting treats it as CUDA (approximate)."""
+    real_ops: tuple[tuple[str, int], ...] = ()
+    """Ops whose fake kernel failed, run for real on stand-ins (``engine.real_ops``), with their calls."""
 
     @property
     def is_cuda(self) -> bool:
@@ -195,6 +198,7 @@ def simulate(
             stack.enter_context(storage_resizes(tracker))
             stack.enter_context(untracked_sharding_propagation(mode.untracked))
         stack.enter_context(swappable_fakes(mode))
+        stack.enter_context(_quiet_fake_kernel_failures())
         stack.enter_context(mode)
         stack.enter_context(module_scopes(model, tracker))
         stack.enter_context(saved_tensor_tags(tracker))
@@ -227,7 +231,18 @@ def simulate(
         tuple(tuple(t.shape) for t in iter_tensors(batches[min(i, len(batches) - 1)])) for i in range(steps)
     )
     reads = values.reads + sum(1 for e in tracker.events if type(e) is DataDependent)
-    return Simulation(tracker.events, target, steps, seconds, precision, modules, shapes, reads, what_if)
+    return Simulation(
+        tracker.events,
+        target,
+        steps,
+        seconds,
+        precision,
+        modules,
+        shapes,
+        reads,
+        what_if,
+        tuple(sorted(tracker.real_ops.items())),
+    )
 
 
 def _target_device(model: nn.Module, device: str | torch.device | None) -> tuple[torch.device, str | None]:
@@ -273,6 +288,20 @@ def _cuda_optimizer_defaults(what_if: bool) -> Iterator[None]:
     finally:
         supported.remove(FakeTensor)
         setattr(optim_module, name, original)
+
+
+@contextmanager
+def _quiet_fake_kernel_failures() -> Iterator[None]:
+    """The fake mode logs every meta kernel that raises, with its traceback, at error level; the
+    simulation handles those (``engine.real_ops`` runs the op for real, or the estimate says why it
+    failed), so the user is not shown them."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @contextmanager

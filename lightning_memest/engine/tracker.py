@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
@@ -50,6 +51,7 @@ from lightning_memest.engine.events import (
 from lightning_memest.engine.fake import local_tensor
 from lightning_memest.engine.pointer_kernels import pointer_kernels
 from lightning_memest.engine.read_guard import ReadGuard
+from lightning_memest.engine.real_ops import NotRunnable, run_for_real
 from lightning_memest.engine.real_path import known_value
 from lightning_memest.engine.value_sets import carry_value_sets, remember_written_sets
 from lightning_memest.errors import EstimationError
@@ -59,6 +61,7 @@ __all__ = [
     "Tracker",
     "TrackingFakeTensorMode",
     "real_value",
+    "storages_of",
 ]
 
 #: Decides for which ops the full call (argument shapes) is recorded, for kernel models and FLOPs.
@@ -113,6 +116,12 @@ class Tracker:
         self._forward_stack: list[str] = []
         self._backward_stack: list[str] = []
         self._read_guard = ReadGuard()  # a loop on assumed reads must fail, not spin
+        self.mode: FakeTensorMode | None = None
+        """The fake mode the ops run in (set by it): where an op runs for real, its outputs are made
+        fake in it."""
+        self._workspace = 0  # what the op just run for real allocated beyond its outputs
+        self.real_ops: Counter[str] = Counter()
+        """Ops whose fake kernel failed, run for real on stand-ins (``engine.real_ops``), by op."""
 
     # --- storages -------------------------------------------------------------------------------
     def _register(self, storage: torch.UntypedStorage, resident: bool, events: list[Event]) -> int:
@@ -132,6 +141,12 @@ class Tracker:
         events.append(Alloc(handle, nbytes, resident))
         return handle
 
+    def _register_tensor(self, t: Tensor, events: list[Event]) -> int:
+        """Register every storage of an op's output (a sparse tensor's indices and values); its handle
+        (the values', for a sparse one; -1 for a tensor with no storage of its own to follow)."""
+        handles = [self._register(s, False, events) for s in storages_of(t)]
+        return handles[-1] if handles else -1
+
     def _free_callback(self, key: int, handle: int) -> Callable[[object], None]:
         def on_free(_: object) -> None:
             if self._handles.get(key) == handle:
@@ -141,8 +156,15 @@ class Tracker:
         return on_free
 
     def handle_of(self, t: Tensor) -> int | None:
-        """The handle of ``t``'s storage (a DTensor's local shard's), if it is tracked."""
-        return self._handles.get(local_tensor(t).untyped_storage()._cdata)
+        """The handle of ``t``'s storage (a DTensor's local shard's; a sparse tensor's values), if it is
+        tracked."""
+        storages = storages_of(local_tensor(t))
+        return self._handles.get(storages[-1]._cdata) if storages else None
+
+    def handles_of(self, t: Tensor) -> list[int]:
+        """The handles of all of ``t``'s storages that are tracked (a sparse tensor has two or three)."""
+        found = (self._handles.get(s._cdata) for s in storages_of(local_tensor(t)))
+        return [h for h in found if h is not None]
 
     def add_resident(self, t: Tensor, role: Role, path: str) -> None:
         """A storage that exists before the step (parameter, buffer, batch tensor)."""
@@ -189,8 +211,7 @@ class Tracker:
     def tag(self, tensors: list[Tensor], role: Role) -> None:
         module = self.module
         for t in tensors:
-            handle = self.handle_of(t)
-            if handle is not None:
+            for handle in self.handles_of(t):
                 self.events.append(Tag(handle, role, module))
 
     # --- scopes and phases -------------------------------------------------------------------------
@@ -279,14 +300,31 @@ class Tracker:
         except EstimationError:
             raise
         except Exception as exc:
-            raise EstimationError(
-                f"{func} failed on fake tensors: {type(exc).__name__}: {exc}",
-                op=str(func),
-                module=self.module,
-            ) from exc
+            out = self._for_real(func, args, kwargs, exc)
         if out is NotImplemented:
             return out  # a tensor subclass (DTensor) runs it as ops on its local tensors, seen next
         self._record(func, args, kwargs, out)
+        return out
+
+    def _for_real(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], exc: Exception
+    ) -> Any:
+        """An op whose fake kernel raised ``exc``, run for real on stand-ins (``engine.real_ops``);
+        counted in :attr:`real_ops`. An ``EstimationError`` with the fake kernel's error, and why the
+        op did not run for real, where it could not."""
+        mode = self.mode
+        try:
+            if mode is None:
+                raise NotRunnable("no fake mode to run it beside")
+            out, self._workspace = run_for_real(mode, func, args, kwargs, real_value)
+        except Exception as real:
+            why = f"not run for real: {real}" if isinstance(real, NotRunnable) else "and for real"
+            raise EstimationError(
+                f"{func} failed on fake tensors: {type(exc).__name__}: {exc} ({why})",
+                op=str(func),
+                module=self.module,
+            ) from exc
+        self.real_ops[str(func)] += 1
         return out
 
     def _accumulate_in_place(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Tensor) -> None:
@@ -348,9 +386,7 @@ class Tracker:
         if func is _ADD and self.phase is Phase.BACKWARD and isinstance(out, Tensor):
             self._accumulate_in_place(args, kwargs, out)
         # Meta outputs hold no memory (DTensor propagates shardings on meta tensors of global shape).
-        handles = tuple(
-            -1 if t.is_meta else self._register(t.untyped_storage(), False, allocs) for t in leaves
-        )
+        handles = tuple(-1 if t.is_meta else self._register_tensor(t, allocs) for t in leaves)
         self.events.append(
             OpEvent(
                 self.op_index,
@@ -361,9 +397,28 @@ class Tracker:
                 call,
                 handles if capture else None,
                 leaves[0].numel() if leaves else 0,
+                self._workspace,
             )
         )
+        self._workspace = 0
         self.events.extend(allocs)
+
+
+def storages_of(t: Tensor) -> list[torch.UntypedStorage]:
+    """The storages behind ``t``: its own, or a sparse tensor's compressed parts (indices and values),
+    read below the dispatcher's Python layer so that reading them runs no op of the step."""
+    if t.layout is torch.strided:
+        return [t.untyped_storage()]
+    with torch._C._DisableTorchDispatch():
+        if t.layout is torch.sparse_coo:
+            parts = [t._indices(), t._values()]
+        elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+            parts = [t.crow_indices(), t.col_indices(), t.values()]
+        elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+            parts = [t.ccol_indices(), t.row_indices(), t.values()]
+        else:
+            return []
+        return [part.untyped_storage() for part in parts]
 
 
 class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
@@ -377,6 +432,7 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
     def __init__(self, tracker: Tracker) -> None:
         super().__init__(allow_non_fake_inputs=True)
         self.tracker = tracker
+        tracker.mode = self
         self._depth = 0
         self._entered: list[ExitStack] = []
 
@@ -432,7 +488,7 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             return FakeTensorMode.dispatch(self, func, types, args, kwargs)
         if func in _SKIP_OPS or func.namespace == "profiler":
             return super().__torch_dispatch__(func, types, args, kwargs)
-        if _composite(func):
+        if _composite(func) and not _takes_nested(args):
             # Under inference_mode (no autograd key) a composite op (conv2d, linear, layer_norm) reaches
             # the mode whole; a real run decomposes it into the ops the kernel models, the FLOP formulas
             # and the calibration know (convolution, addmm): so must the simulation, at this level.
@@ -496,6 +552,12 @@ def real_value(t: Tensor) -> Tensor | None:
     if isinstance(t, FakeTensor):
         return t.constant if t.constant is not None else known_value(t)
     return None if t.is_meta else t
+
+
+def _takes_nested(args: Sequence[object]) -> bool:
+    """Whether a real nested tensor is among the arguments (made by an op run for real,
+    ``engine.real_ops``): its own kernel runs it, not the dense composite."""
+    return any(type(a) is Tensor and a.is_nested for a in args)
 
 
 def _meta(value: Any) -> Any:

@@ -1,0 +1,121 @@
+"""Zoo cases of families the first zoo did not have (issue 25), written as each library's users write them:
+a sparse mixture of experts from transformers' Mixtral config (its grouped experts take
+``aten._grouped_mm``, whose fake kernel refuses float32 while the CPU kernel runs it: run for real), and
+a graph attention network from torch_geometric over mini-batches of graphs (its batch object holds the
+tensors; global pooling sizes its output by the graph ids' largest value, which the batch holds).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+from zoo import Built, Counting, ZooCase
+
+__all__ = ["FAMILY_CASES"]
+
+
+class TokenBlocks(Dataset[Tensor]):
+    def __init__(self, n: int = 32, length: int = 32, vocab: int = 512) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> Tensor:
+        return self.ids[i]
+
+
+class MixtralLM(pl.LightningModule):
+    """A Mixtral-style sparse MoE decoder (4 experts, top-2 routing) from its config, trained on labels."""
+
+    def __init__(self, dataset: Dataset[Any]) -> None:
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        super().__init__()
+        config = MixtralConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+        self.model = MixtralForCausalLM(config)
+        self.dataset = dataset
+
+    def training_step(self, ids: Tensor, batch_idx: int) -> Tensor:
+        out = self.model(input_ids=ids, labels=ids)
+        self.log("train_loss", out.loss)
+        return out.loss  # type: ignore[no-any-return]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.dataset, batch_size=4)
+
+
+def _graphs(n: int = 64) -> list[Any]:
+    from torch_geometric.data import Data
+
+    g = torch.Generator().manual_seed(0)
+    graphs = []
+    for k in range(n):
+        nodes = 10 + k % 7
+        edges = torch.randint(0, nodes, (2, 3 * nodes), generator=g)
+        graphs.append(Data(x=torch.randn(nodes, 16, generator=g), edge_index=edges, y=torch.tensor([k % 3])))
+    return graphs
+
+
+class GraphClassifier(pl.LightningModule):
+    """Two ``GATConv`` layers, ``global_mean_pool`` per graph, a linear head: graph classification."""
+
+    def __init__(self, dataset: Dataset[Any]) -> None:
+        from torch_geometric.nn import GATConv
+
+        super().__init__()
+        self.conv1 = GATConv(16, 32, heads=2)
+        self.conv2 = GATConv(64, 32, heads=1)
+        self.head = nn.Linear(32, 3)
+        self.dataset = dataset
+
+    def training_step(self, data: Any, batch_idx: int) -> Tensor:
+        from torch_geometric.nn import global_mean_pool
+
+        x = F.elu(self.conv1(data.x, data.edge_index))
+        x = F.elu(self.conv2(x, data.edge_index))
+        loss = F.cross_entropy(self.head(global_mean_pool(x, data.batch)), data.y)
+        self.log("train_loss", loss, batch_size=data.num_graphs)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> Any:
+        from torch_geometric.loader import DataLoader as GraphLoader
+
+        return GraphLoader(self.dataset, batch_size=8, shuffle=True)
+
+
+def _mixtral() -> Built:
+    data = Counting(TokenBlocks())
+    return Built(MixtralLM(data), data)
+
+
+def _gat() -> Built:
+    data = Counting(_graphs())
+    return Built(GraphClassifier(data), data)
+
+
+FAMILY_CASES: tuple[ZooCase, ...] = (
+    ZooCase("hf_mixtral_moe", _mixtral, what="transformers Mixtral MoE (grouped experts, run for real)"),
+    ZooCase("pyg_gat_graphs", _gat, what="torch_geometric GATConv over graph mini-batches, mean pool"),
+)
