@@ -265,6 +265,8 @@ def test_a_failing_estimate_is_one_warning_and_training_goes_on(tmp_path: Path) 
     with pytest.warns(UserWarning, match="MemEstimate: estimating failed") as record:
         trainer = fit(Unsimulatable(), tmp_path, [memest])
     assert sum("MemEstimate" in str(w.message) for w in record) == 1
+    message = next(str(w.message) for w in record if "MemEstimate" in str(w.message))
+    assert "at op" in message and "what you can do:" in message  # the op, and the next step
     assert memest.estimate is None and memest.measured == []
     assert trainer.global_step == 3
 

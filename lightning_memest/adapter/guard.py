@@ -21,6 +21,7 @@ from typing import TypeVar
 import lightning.pytorch as pl
 
 from lightning_memest.adapter.ranks import first_failure
+from lightning_memest.errors import EstimationError
 
 __all__ = ["Guard", "attempt"]
 
@@ -32,7 +33,15 @@ def attempt(what: str, fn: Callable[[], _T]) -> tuple[_T | None, str | None]:
     try:
         return fn(), None
     except Exception as exc:
-        return None, f"{what} failed, training goes on without it: {type(exc).__name__}: {exc}"
+        hint = _ESTIMATION_HINT if isinstance(exc, EstimationError) else ""
+        return None, f"{what} failed, training goes on without it: {type(exc).__name__}: {exc}{hint}"
+
+
+#: What a user can do when their step cannot be simulated (the error names the op and the module).
+_ESTIMATION_HINT = (
+    "; what you can do: see the README's known limits for that op, give MemEstimate(example_batch=...) "
+    "a batch to estimate instead, or report it with a small reproduction of the module"
+)
 
 
 class Guard:
