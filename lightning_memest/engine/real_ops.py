@@ -87,6 +87,12 @@ def run_for_real(
         limit = REAL_OP_LIMIT // 2**20
         raise NotRunnable(f"its inputs take {nbytes / 2**20:.1f} MiB, more than the {limit} MiB run for real")
 
+    key = _signature(func, args, kwargs, known)
+    cached = _SEEN.get(key) if key is not None else None
+    if cached is not None:  # the same op on the same shapes: the same outputs and workspace
+        outputs, workspace = cached
+        return tree_map_only(_Output, lambda o: o.fake(mode), outputs), workspace
+
     def stand_in(t: Tensor) -> Tensor:
         if not isinstance(t, FakeTensor):
             return t  # real already: a nested tensor an earlier op run for real made, say
@@ -114,7 +120,50 @@ def run_for_real(
             fake = mode.fake_tensor_converter.from_meta_and_device(mode, meta, wanted)
         return fake
 
-    return tree_map_only(Tensor, faked, out), workspace
+    fakes = tree_map_only(Tensor, faked, out)
+    if key is not None and not any(isinstance(t, Tensor) and t.is_nested for t in tree_leaves(out)):
+        _SEEN[key] = (tree_map_only(Tensor, _Output.of, fakes), workspace)
+    return fakes, workspace
+
+
+class _Output:
+    """A fake output's metadata, to make it again for the next call of the same signature."""
+
+    def __init__(self, shape: tuple[int, ...], stride: tuple[int, ...], dtype: torch.dtype, device: Any):
+        self.shape, self.stride, self.dtype, self.device = shape, stride, dtype, device
+
+    @staticmethod
+    def of(t: Tensor) -> _Output:
+        return _Output(tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+    def fake(self, mode: FakeTensorMode) -> Tensor:
+        meta = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device="meta")
+        return mode.fake_tensor_converter.from_meta_and_device(mode, meta, self.device)
+
+
+#: What each signature's real run gave: its outputs' metadata and workspace (bounded: a process plans
+#: and estimates many steps, a step has few such ops).
+_SEEN: dict[tuple[Any, ...], tuple[Any, int]] = {}
+
+
+def _signature(
+    func: torch._ops.OpOverload, args: Any, kwargs: Any, known: Callable[[Tensor], Tensor | None]
+) -> tuple[Any, ...] | None:
+    """The call's shapes, strides, dtypes and other arguments; ``None`` where its outputs may depend on
+    values (an argument real, or with a known value): those run each time."""
+    parts: list[Any] = [func]
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, Tensor):
+            if not isinstance(leaf, FakeTensor) or known(leaf) is not None:
+                return None
+            parts.append((tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype, leaf.device.type))
+        elif isinstance(leaf, (int, float, bool, str, type(None), torch.dtype, torch.device)):
+            parts.append(leaf)
+        else:
+            return None
+    if len(_SEEN) > 4096:
+        _SEEN.clear()
+    return tuple(parts)
 
 
 _WINDOW = "memest_real_op_"
