@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from lightning_memest.accounting import account
+from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.accounting.kernels import Calibration
 from lightning_memest.accounting.kernels.calibrate import calibrate as calibrate_kernels
 from lightning_memest.batches import batch_size_of, resize_batch
@@ -59,7 +60,7 @@ class SizedStep:
     ``batch`` is the batch in hand (a tensor, or any structure ``batches.py`` walks); ``calibrate``
     how its kernels' memory is found (:data:`Calibrate`); ``loop`` names what the step runs, as
     ``StepEstimate.loop``; ``next_batches``: the batches of the steps after the first (resized with
-    it: each tensor of the batch's leading size becomes the new size).
+    it: each tensor of the batch's leading size becomes the new size); ``gpu`` as ``estimate_step``'s.
     """
 
     simulate: Callable[..., Simulation]
@@ -67,6 +68,8 @@ class SizedStep:
     calibrate: Calibrate = False
     loop: str = "train"
     next_batches: Sequence[Any] = ()
+    gpu: CudaDevice | None = None
+    """For a CUDA step: the GPU its accounting is for (``estimate_step``'s ``gpu``)."""
     _estimates: dict[int, StepEstimate] = field(default_factory=dict, repr=False)  # -1: the batch in hand
     _trace: list[tuple[Simulation, Calibration | None, StepEstimate]] = field(
         default_factory=list, repr=False
@@ -96,8 +99,6 @@ class SizedStep:
     def estimate_at(self, n: int | None = None) -> StepEstimate:
         """The ``StepEstimate`` at batch size ``n`` (default: the batch in hand, as it is), with this
         step's residents and calibration; each size is estimated once."""
-        if n is None and self._trace:
-            return self._trace[0][2]
         key = -1 if n is None else n
         known = self._estimates.get(key)
         if known is None:
@@ -123,7 +124,7 @@ class SizedStep:
         may have changed: a checkpointing plan applied for the simulation)."""
         sim = self._simulate_at(n, flops=True, calibrate=bool(self.calibrate))
         calibration = calibrate_kernels(sim, measure=self.calibrate is True) if self.calibrate else None
-        return sim, calibration, account(sim, calibration=calibration, loop=self.loop)
+        return sim, calibration, account(sim, self.gpu, calibration, loop=self.loop)
 
     def fresh(self) -> SizedStep:
         """This step with nothing estimated yet (for a model changed since: a plan applied)."""
@@ -148,6 +149,7 @@ class SizedStep:
             start=self.batch_size,
             cap=cap,
             progress=progress,
+            gpu=self.gpu,
             calibrate=measured,
         )
         checks: dict[int, int] = {}

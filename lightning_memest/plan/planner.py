@@ -92,10 +92,8 @@ def plan_checkpointing(
             next_batches=next_batches,
         )
 
-    step = SizedStep(run, batch, calibrate=calibrate)
-    return plan_step(
-        step, model, budget, modules=modules, kinds=kinds, max_batch_size=max_batch_size, gpu=gpu
-    )
+    step = SizedStep(run, batch, calibrate=calibrate, gpu=gpu)
+    return plan_step(step, model, budget, modules=modules, kinds=kinds, max_batch_size=max_batch_size)
 
 
 def plan_step(
@@ -106,20 +104,18 @@ def plan_step(
     modules: Sequence[str] = (),
     kinds: Sequence[CheckpointKind] = KINDS,
     max_batch_size: bool = False,
-    gpu: CudaDevice | None = None,
-    baseline: tuple[Simulation, Any, StepEstimate] | None = None,
 ) -> CheckpointPlan:
-    """The plan for ``step`` (a ``SizedStep``: its simulation, residents and calibration are the
-    estimate's), checkpointing modules of ``model`` -- the module ``step`` simulates, whose qualified
-    names the plan uses (see the module docstring). ``baseline``: the step's ``traced_at()`` where the
-    caller has it."""
+    """The plan for ``step`` (a ``SizedStep``: its simulation, residents, calibration and GPU are the
+    estimate's; its first simulation is reused where it has one, ``SizedStep.traced``), checkpointing
+    modules of ``model`` -- the module ``step`` simulates, whose qualified names the plan uses (see the
+    module docstring)."""
     began = time.perf_counter()
     budget_bytes = _budget(budget)
     for kind in kinds:
         if kind not in KINDS:
             raise ValueError(f"a checkpoint kind is one of {', '.join(KINDS)}; got {kind!r}")
-    simulations = 0 if baseline is not None or step.has_trace else 1
-    sim, calibration, first = baseline if baseline is not None else step.traced()
+    simulations = 0 if step.has_trace else 1
+    sim, calibration, first = step.traced()
     paths = find_candidates(model, modules)
     windows = block_windows(sim, paths, calibration)
     costs = [_costs(first, c.path, kinds) for c in windows.candidates]
