@@ -374,6 +374,7 @@ class StepEstimate:
                 "forward": self.flops.forward,
                 "backward": self.flops.backward or 0,
                 "optimizer": self.flops.optimizer or 0,
+                "other": self.flops.other_total,  # elementwise, norms, softmax: apart from the headline
             },
             "estimate_seconds": round(self.estimate_seconds, 4),
             "approximate": self.approximate,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -321,10 +322,41 @@ def test_estimate_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["reserved_bytes"] is None  # CPU: no caching allocator
     assert set(data["breakdown_bytes"]) == BREAKDOWN_KEYS
     assert all(type(v) is int and v >= 0 for v in data["breakdown_bytes"].values())
-    assert set(data["flops"]) == {"forward", "backward", "optimizer"}
-    assert data["flops"]["forward"] > 0 and data["flops"]["backward"] > 0
+    assert set(data["flops"]) == {"forward", "backward", "optimizer", "other"}
+    assert data["flops"]["forward"] > 0 and data["flops"]["backward"] > 0 and data["flops"]["other"] > 0
     assert isinstance(data["estimate_seconds"], float)
     assert data["data_dependent"] is None  # the step read no tensor values
+
+
+def test_the_json_holds_every_figure_the_table_prints(capsys: pytest.CaptureFixture[str]) -> None:
+    # Each figure of the readable estimate, found in the JSON of the same estimate: the peaks, the
+    # breakdown (in the summary's words on the table, field names in the JSON), where the peak is, the
+    # modules saving the most, and every FLOP figure (elementwise included).
+    from lightning_memest.report import format_bytes, human_flops
+
+    code, out, err = run(capsys, "estimate", *CONV)
+    assert code == 0, err
+    data = run_json(capsys, "estimate", *CONV)
+    assert "optimizer state" in out and "other tensors" in out and "optimizer_state" not in out
+    for role, n in data["breakdown_bytes"].items():
+        assert re.search(rf"^    {role.replace('_', ' ')} +{re.escape(format_bytes(n))}$", out, re.M), role
+    at = data["peak_at"]
+    assert f"({at['op']} in {at['module']}, {at['phase']})" in out
+    assert data["top_saved_modules"], data
+    for m in data["top_saved_modules"]:
+        line = f"{m['module']} ({m['type']})"
+        assert re.search(rf"^    {re.escape(line)} +{re.escape(format_bytes(m['saved_bytes']))}$", out, re.M)
+    for key, label in (("forward", "forward"), ("backward", "backward"), ("other", "other (elementwise)")):
+        assert re.search(rf"^    {re.escape(label)} +{re.escape(human_flops(data['flops'][key]))}$", out, re.M)
+
+
+def test_max_batch_size_names_the_input_not_a_batch_size(capsys: pytest.CaptureFixture[str]) -> None:
+    # --batch-size is where the search starts, not the answer: the heading names one row's input.
+    code, out, err = run(capsys, "max-batch-size", *MLP, "--memory-budget", "1MiB")
+    assert code == 0, err
+    heading = out.splitlines()[0]
+    assert heading.startswith("max batch size of cli_models:TinyMLP (rows of 16, "), heading
+    assert "batch 8" not in heading
 
 
 def test_measure_json_shape(capsys: pytest.CaptureFixture[str]) -> None:
@@ -689,6 +721,14 @@ def test_profile_by_node_and_by_module(capsys: pytest.CaptureFixture[str]) -> No
     assert len(modules) == 2 and modules[0]["saved_bytes"] >= modules[1]["saved_bytes"]
     code, out, err = run(capsys, "profile", *MLP, "--top", "3")
     assert code == 0 and "fwd_in" in out and "bwd FLOPs" in out
+    # --top N without --sort: the N that save the most, not the first N in graph order.
+    every = run_json(capsys, "profile", *MLP, "--sort", "saved")["nodes"]
+    top = run_json(capsys, "profile", *MLP, "--top", "1")["nodes"]
+    assert [n["name"] for n in top] == [every[0]["name"]], (top, every)
+    assert every[0]["name"] != run_json(capsys, "profile", *MLP)["nodes"][0]["name"]  # not graph order
+    modules = run_json(capsys, "profile", *CONV, "--by", "module", "--top", "1")["modules"]
+    saved = run_json(capsys, "profile", *CONV, "--by", "module", "--sort", "saved")["modules"]
+    assert modules == saved[:1]
     code, out, err = run(capsys, "profile", *MLP, "--sort", "nope")
     assert code == 2 and err.startswith("memest: error: --sort") and len(err.strip().splitlines()) == 1
 

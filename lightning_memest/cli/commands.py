@@ -48,7 +48,7 @@ def _estimate(settings: Settings, out: TextIO) -> None:
         )
     fits = _fits_gpu(est, args.gpu_memory)
     if args.json:
-        data = est.to_json()
+        data = _estimate_json(est)
         data["gpu_memory"] = fits
         print(json.dumps(data), file=out)
         return
@@ -109,11 +109,11 @@ def _print_estimate(est: StepEstimate, out: TextIO) -> None:
     where = f"{peak.op} in {peak.module or '(root)'}, {peak.phase.value}"
     print(f"\n  at the {'steady-state ' if est.loop == 'train' else ''}peak ({where}):", file=out)
     for name, n in peak.breakdown.items():
-        print(f"    {name:<22}{format_bytes(n):>12}", file=out)
-    leaves = [m for m in est.modules.walk() if not m.children and m.path and m.saved_bytes > 0]
-    if leaves:
+        print(f"    {_words(name):<22}{format_bytes(n):>12}", file=out)
+    top = _top_saved(est)
+    if top:
         print(f"\n  modules saving the most for backward (first step, top {TOP_MODULES}):", file=out)
-        for m in sorted(leaves, key=_saved, reverse=True)[:TOP_MODULES]:
+        for m in top:
             print(f"    {m.path + ' (' + m.type_name + ')':<40}{format_bytes(m.saved_bytes):>12}", file=out)
     if est.data_dependent:
         # Fake tensors have no values: a branch on one takes the path the assumed value leads to.
@@ -143,6 +143,31 @@ def _print_estimate(est: StepEstimate, out: TextIO) -> None:
 
 def _saved(m: ModuleStats) -> int:
     return m.saved_bytes
+
+
+def _words(role: str) -> str:
+    """A breakdown role as the model summary says it (``optimizer_state`` -> ``optimizer state``); the
+    JSON keeps the field names."""
+    return role.replace("_", " ")
+
+
+def _top_saved(est: StepEstimate) -> list[ModuleStats]:
+    """The leaf modules saving the most for backward in the first step, the most first."""
+    leaves = [m for m in est.modules.walk() if not m.children and m.path and m.saved_bytes > 0]
+    return sorted(leaves, key=_saved, reverse=True)[:TOP_MODULES]
+
+
+def _estimate_json(est: StepEstimate) -> dict[str, Any]:
+    """``StepEstimate.to_json()`` with the other figures the table prints: where the steady-state peak
+    is, and the modules saving the most for backward."""
+    peak = est.steady_state
+    return {
+        **est.to_json(),
+        "peak_at": {"op": peak.op, "module": peak.module, "phase": peak.phase.value},
+        "top_saved_modules": [
+            {"module": m.path, "type": m.type_name, "saved_bytes": m.saved_bytes} for m in _top_saved(est)
+        ],
+    }
 
 
 def _measure(settings: Settings, out: TextIO) -> None:
@@ -275,7 +300,8 @@ def _print_compare(settings: Settings, rows: list[dict[str, Any]], out: TextIO) 
 def _profile(settings: Settings, out: TextIO) -> None:
     args = settings.args
     orders = NODE_ORDERS if args.by == "node" else MODULE_ORDERS
-    order = args.sort or orders[0]
+    # --top N: the N largest (by saved bytes unless --sort says), not the first N in graph/tree order.
+    order = args.sort or (orders[1] if args.top is not None else orders[0])
     if order not in orders:
         raise SpecError(f"--sort for --by {args.by} must be one of {', '.join(orders)}; got {order!r}")
     with _progress(settings) as progress:
@@ -348,7 +374,9 @@ def _max_batch_size(settings: Settings, out: TextIO) -> None:
     if args.json:
         print(json.dumps(result.to_json()), file=out)
         return
-    print(f"max batch size of {args.model} ({settings.describe()})", file=out)
+    # The batch size of --batch-size is only where the search starts: the heading names the input.
+    searched = settings.describe().replace(settings.inputs.describe(), _per_row(settings), 1)
+    print(f"max batch size of {args.model} ({searched})", file=out)
     if result.approximate:
         print("  APPROXIMATE: no GPU here; simulated on the CPU and accounted as CUDA", file=out)
     print(f"  {result.message}", file=out)
@@ -359,6 +387,14 @@ def _max_batch_size(settings: Settings, out: TextIO) -> None:
             f"probes ({c.refined} of their op signatures measured; {c.measured} now, in {c.seconds:.2f} s)",
             file=out,
         )
+
+
+def _per_row(settings: Settings) -> str:
+    """The input of one row of the batch, without a batch size: ``'rows of 3x224x224'``."""
+    i = settings.inputs
+    if i.shape is not None:
+        return f"rows of {'x'.join(map(str, i.shape))}"
+    return f"rows of {i.tokens} tokens < {i.vocab}"
 
 
 def _plan(settings: Settings, out: TextIO) -> None:

@@ -29,7 +29,7 @@ from lightning_memest.constants import (
     STRATEGIES,
 )
 from lightning_memest.errors import SpecError
-from lightning_memest.sizes import parse_size
+from lightning_memest.sizes import SizeTooLarge, parse_size
 
 if TYPE_CHECKING:
     import torch
@@ -166,10 +166,10 @@ def _positive_number(maximum: float, why: str) -> Callable[[str], float]:
 def _size(text: str) -> int:
     try:
         value = parse_size(text)
-    except ValueError as e:
-        if "at most" not in str(e):
-            raise argparse.ArgumentTypeError(str(e)) from None
+    except SizeTooLarge:
         value = MAX_SIZE + 1  # too large for any machine: said with the flag's own limit below
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
     if value > MAX_SIZE:
         raise argparse.ArgumentTypeError(f"must be at most 1024TiB ({MAX_SIZE} bytes); got {_shown(text)}")
     return value
@@ -469,7 +469,13 @@ def _add_profile_parser(sub: Any) -> None:
         help=f"sort by a figure, largest first: for nodes {', '.join(NODE_ORDERS[1:])}; for modules "
         f"{', '.join(MODULE_ORDERS[1:])} (default: graph order / module tree order)",
     )
-    p.add_argument("--top", type=_whole(0, MAX_ROWS), default=None, metavar="N", help="only the first N rows")
+    p.add_argument(
+        "--top",
+        type=_whole(0, MAX_ROWS),
+        default=None,
+        metavar="N",
+        help="only the N largest rows (by --sort; saved bytes unless given)",
+    )
 
 
 def _add_max_batch_size_parser(sub: Any) -> None:
