@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,6 +22,8 @@ from torch import nn
 
 import lightning_memest.engine.tracker as tracker
 from lightning_memest import estimate_step
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the zoo's cases
 
 _SPENT = [0.0]
 _RUN = tracker.run_for_real
@@ -34,19 +38,10 @@ def _timed(*args: Any, **kwargs: Any) -> Any:
 
 
 def mixtral() -> Callable[[], Any]:
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
+    from zoo_families import mixtral_config
 
-    config = MixtralConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    model, ids = MixtralForCausalLM(config), torch.randint(0, 512, (4, 32))
+    model, ids = MixtralForCausalLM(mixtral_config()), torch.randint(0, 512, (4, 32))
 
     def loss(m: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         return m(input_ids=batch, labels=batch).loss  # type: ignore[no-any-return]

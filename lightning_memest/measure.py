@@ -179,8 +179,7 @@ class LiveTensorScan:
 
     def __init__(self) -> None:
         self.collected = False
-        self.full_collections = 0
-        """How many of its scans needed a full collection (at most one)."""
+        """Whether one of its scans needed a full collection (at most one does)."""
 
     def __call__(
         self, device: torch.device, *, besides: Iterable[Tensor] = (), negligible: int = 0
@@ -191,7 +190,6 @@ class LiveTensorScan:
             return found
         del found  # (held, the garbage among them would survive the collection)
         self.collected = True
-        self.full_collections += 1
         return live_tensors(device, besides=known, full=True)
 
 

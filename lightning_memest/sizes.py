@@ -15,7 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["MAX_SIZE", "MemoryBudget", "parse_size"]
+__all__ = ["MAX_SIZE", "MemoryBudget", "SizeTooLarge", "parse_size"]
 
 _UNITS = {
     "": 1,
@@ -40,6 +40,10 @@ _SHARE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*%\s*")
 MAX_SIZE = 2**63 - 1
 
 
+class SizeTooLarge(ValueError):
+    """A size past :data:`MAX_SIZE` (a caller with a lower limit of its own says that one instead)."""
+
+
 def parse_size(text: str) -> int:
     """Bytes from a size: ``'12345'``, ``'512MiB'``, ``'1.5GB'``, ``'8g'``.
 
@@ -56,7 +60,7 @@ def parse_size(text: str) -> int:
     >>> parse_size("1e300TiB")
     Traceback (most recent call last):
     ...
-    ValueError: a size must be at most 8 EiB (9223372036854775807 bytes); got '1e300TiB'
+    lightning_memest.sizes.SizeTooLarge: a size must be at most 8 EiB (9223372036854775807 bytes); got '1e300TiB'
     """  # noqa: E501
     match = _SIZE.fullmatch(text)
     unit = match.group(2).lower() if match else ""
@@ -69,7 +73,7 @@ def parse_size(text: str) -> int:
     # Whole numbers exactly (a float of 2**63 - 1 rounds up past it); others through a float.
     value: float = int(number) * _UNITS[unit] if number.isdigit() else float(number) * _UNITS[unit]
     if not math.isfinite(value) or value > MAX_SIZE:
-        raise ValueError(f"a size must be at most 8 EiB ({MAX_SIZE} bytes); got {_shown(text)}")
+        raise SizeTooLarge(f"a size must be at most 8 EiB ({MAX_SIZE} bytes); got {_shown(text)}")
     if value < 1:
         raise ValueError(f"a size must be at least one byte; got {_shown(text)}")
     return int(value)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from zoo import Built, Counting, ZooCase
 
-__all__ = ["FAMILY_CASES"]
+__all__ = ["FAMILY_CASES", "mixtral_config"]
 
 
 class TokenBlocks(Dataset[Tensor]):
@@ -31,24 +31,30 @@ class TokenBlocks(Dataset[Tensor]):
         return self.ids[i]
 
 
+def mixtral_config() -> Any:
+    """A small Mixtral config: 2 layers, 4 experts, top-2 routing (``benchmarks/real_ops.py`` too)."""
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+
+
 class MixtralLM(pl.LightningModule):
     """A Mixtral-style sparse MoE decoder (4 experts, top-2 routing) from its config, trained on labels."""
 
     def __init__(self, dataset: Dataset[Any]) -> None:
-        from transformers import MixtralConfig, MixtralForCausalLM
+        from transformers import MixtralForCausalLM
 
         super().__init__()
-        config = MixtralConfig(
-            vocab_size=512,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-        )
-        self.model = MixtralForCausalLM(config)
+        self.model = MixtralForCausalLM(mixtral_config())
         self.dataset = dataset
 
     def training_step(self, ids: Tensor, batch_idx: int) -> Tensor:

@@ -41,6 +41,12 @@ class BudgetCheck:
     memory_budget: int | str | MemoryBudget | None = None
     margin_bytes: int | None = None
 
+    def budget_bytes(self, estimate: StepEstimate, device: Any) -> int:
+        """The budget in bytes ``estimate`` is held against on ``device`` (``budget.budget_for``)."""
+        return budget_for(
+            estimate, device, memory_budget=self.memory_budget, margin_bytes=self.margin_bytes
+        )
+
     def result(
         self,
         estimate: StepEstimate,
@@ -54,9 +60,7 @@ class BudgetCheck:
         ``options(budget)`` what else would (``advice.advise``), asked only where the estimate does not
         (searches: worth trying, not worth failing the check for). ``what`` names what runs, as
         ``budget.precheck``."""
-        budget = budget_for(
-            estimate, device, memory_budget=self.memory_budget, margin_bytes=self.margin_bytes
-        )
+        budget = self.budget_bytes(estimate, device)
 
         def max_fit() -> int | None:
             try:

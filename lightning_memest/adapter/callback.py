@@ -110,11 +110,10 @@ class MemEstimate(ModelSummary):
         checkpointing: Literal["off", "auto"] = "off",
         **summarize_kwargs: Any,
     ) -> None:
-        if checkpointing not in ("off", "auto"):
-            raise ValueError(f"checkpointing must be 'off' or 'auto'; got {checkpointing!r}")
         budget = check_options(
             max_depth=max_depth,
             memory_check=memory_check,
+            checkpointing=checkpointing,
             memory_budget=memory_budget,
             margin_bytes=memory_margin_bytes,
             flags={"check": check, "calibrate": calibrate},

@@ -27,7 +27,7 @@ from lightning_memest.adapter.fit import FitSetup
 from lightning_memest.adapter.fit_batches import FitBatches
 from lightning_memest.adapter.guard import Guard
 from lightning_memest.advice import Option, advise
-from lightning_memest.budget import PrecheckResult, budget_for
+from lightning_memest.budget import PrecheckResult
 from lightning_memest.engine.distributed import FSDP
 from lightning_memest.plan import CheckpointPlan, plan_step
 from lightning_memest.report import StepEstimate
@@ -38,10 +38,9 @@ __all__ = ["apply_plan", "auto_plan", "training_check"]
 
 
 def _checked(batches: FitBatches) -> tuple[SizedStep, FitSetup, list[torch.Tensor]]:
-    step, checked = batches.sized, batches.checked
-    if step is None or checked is None:
+    if batches.checked is None:
         raise RuntimeError("no estimate to check")  # (the hook estimates right before)
-    return step, checked[0], checked[1]
+    return batches.checked
 
 
 def _variants(
@@ -102,12 +101,7 @@ def auto_plan(
     """The checkpointing plan for the latest estimate of ``batches`` where it is over the budget and a
     plan fits (``None`` where the step fits as it is, or nothing fits)."""
     step, _, _ = _checked(batches)
-    budget_bytes = budget_for(
-        estimate,
-        trainer.strategy.root_device,
-        memory_budget=budget.memory_budget,
-        margin_bytes=budget.margin_bytes,
-    )
+    budget_bytes = budget.budget_bytes(estimate, trainer.strategy.root_device)
     if estimate.peak_bytes <= budget_bytes:
         return None
     plan = plan_step(step, module, budget_bytes)

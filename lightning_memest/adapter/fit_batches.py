@@ -154,11 +154,10 @@ class FitBatches:
         self.scan_seconds = 0.0
         """Wall seconds the latest estimate's scan for other live tensors took."""
         self._first_index = 0
-        self.sized: SizedStep | None = None
-        """The latest estimate's step, its batch size left open: what the pre-check's largest batch
-        is searched over, so that it is the checked estimate's (until the next batch starts)."""
-        self.checked: tuple[FitSetup, list[Tensor]] | None = None
-        """The latest estimate's fit and the other tensors beside it: for the advice's variants."""
+        self.checked: tuple[SizedStep, FitSetup, list[Tensor]] | None = None
+        """The latest estimate's step, its batch size left open (what the pre-check's largest batch is
+        searched over, so that it is the checked estimate's), its fit and the other tensors beside it
+        (for the advice's variants); until the next batch starts."""
         self._others: tuple[Any, list[Tensor]] | None = None
         self._largest: list[tuple[int, ...]] | None = None
         self._estimated: dict[Signature, StepEstimate] = {}
@@ -272,7 +271,7 @@ class FitBatches:
         return estimate
 
     def _estimate(self, step: SizedStep, fit: FitSetup, residents: list[Tensor]) -> StepEstimate:
-        self.sized, self.checked = step, (fit, residents)
+        self.checked = step, fit, residents
         return step.traced()[2]  # (its simulation kept with it: a checkpointing plan reads its events)
 
     def _scan(
@@ -289,7 +288,7 @@ class FitBatches:
         for its measurement to start from without a second scan; ``None`` where none did. Called at
         every batch's start, so that no batch's tensors are held past it."""
         others, self._others = self._others, None
-        self.sized = self.checked = None  # its residents are this batch's start's: not held past it
+        self.checked = None  # its residents are this batch's start's: not held past it
         return others[1] if others is not None and others[0] is batch else None
 
     def _note(self, batch: Any, estimate: StepEstimate) -> None:

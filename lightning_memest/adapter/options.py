@@ -2,10 +2,10 @@
 clear error then, not a silent default or a failure at the first batch.
 
 Example:
-    >>> check_options(max_depth=1, memory_check="warn", memory_budget="80%", margin_bytes=None,
+    >>> check_options(max_depth=1, memory_check="warn", checkpointing="off", memory_budget="80%", margin_bytes=None,
     ...               flags={"check": True, "calibrate": True}, summarize_kwargs={})
     MemoryBudget(bytes=None, share=0.8)
-    >>> check_options(max_depth=1, memory_check="warn", memory_budget=None, margin_bytes=None,
+    >>> check_options(max_depth=1, memory_check="warn", checkpointing="off", memory_budget=None, margin_bytes=None,
     ...               flags={}, summarize_kwargs={"memory_budjet": "1KiB"})
     Traceback (most recent call last):
     ...
@@ -44,6 +44,7 @@ def check_options(
     *,
     max_depth: Any,
     memory_check: Any,
+    checkpointing: Any,
     memory_budget: Any,
     margin_bytes: Any,
     flags: Mapping[str, Any],
@@ -67,6 +68,8 @@ def check_options(
             raise TypeError(f"{name} must be True or False; got {value!r}")
     if memory_check not in _CHECKS:
         raise ValueError(f"memory_check must be 'off', 'warn' or 'raise'; got {memory_check!r}")
+    if checkpointing not in ("off", "auto"):
+        raise ValueError(f"checkpointing must be 'off' or 'auto'; got {checkpointing!r}")
     if margin_bytes is not None and (
         isinstance(margin_bytes, bool) or not isinstance(margin_bytes, int) or margin_bytes < 0
     ):

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 from lightning_memest.accounting.kernels.model import CPU_KERNELS, CUDA_KERNELS, KernelMemory
 from lightning_memest.allocator_events import CpuMemoryProfile, window_figures
 from lightning_memest.engine.events import OpCall, TensorMeta
+from lightning_memest.engine.real_ops import zeros_strided
 
 __all__ = ["Guard", "fits", "hand_model", "measure_cpu", "measure_cuda"]
 
@@ -36,12 +37,9 @@ _MEMORY_SHARE = 0.5
 
 
 def _real(meta: TensorMeta, device: torch.device) -> Tensor:
-    """A zero-filled tensor with ``meta``'s shape, strides and dtype (zeros: valid indices and targets,
-    and no denormal or NaN slow paths)."""
-    if any(s == 0 for s in meta.shape):
-        return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device=device)
-    size = 1 + sum((s - 1) * st for s, st in zip(meta.shape, meta.stride, strict=True))
-    return torch.zeros(size, dtype=meta.dtype, device=device).as_strided(meta.shape, meta.stride)
+    """A zero-filled tensor of ``meta`` (zeros: valid indices and targets, and no denormal or NaN slow
+    paths)."""
+    return zeros_strided(tuple(meta.shape), tuple(meta.stride), meta.dtype, device)
 
 
 def _extent(meta: TensorMeta) -> int:
