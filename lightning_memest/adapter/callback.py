@@ -284,6 +284,7 @@ class MemEstimate(ModelSummary):
                 self.loop_estimates,
                 rich=self._rich,
                 header_style=self._summarize_kwargs.get("header_style"),
+                progress_bar=trainer.progress_bar_callback,  # printed through it, never across it
             )
 
     # --- each training batch: estimate what is new, measure the first ones -----------------------------

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from lightning_memest.adapter.summary import wrap_line
 from lightning_memest.report import MeasuredStep, StepEstimate, format_bytes
 
 __all__ = ["SetupCost", "describe_checks"]
@@ -64,10 +65,8 @@ def describe_checks(
             return "\n".join(["MemEstimate: no training estimate", *loops])
         return "MemEstimate: no estimate (fit has not started, or estimating failed)"
     cost = setup.describe() if setup is not None else "nothing to fit start (estimated before)"
-    lines = [
-        f"MemEstimate ({estimate.device}, {estimate.precision}), {len(estimate.peaks)} steps: "
-        f"the estimate added {cost}"
-    ]
+    # The check first, each line within 80 columns (a terminal, a CI log); what it cost after.
+    lines = [f"MemEstimate ({estimate.device}, {estimate.precision}), {len(estimate.peaks)} steps:"]
     for m in measured:
         lines.append(
             f"  step {m.step}: estimated {format_bytes(m.estimated_bytes)}, "
@@ -77,6 +76,7 @@ def describe_checks(
         lines += [
             f"  step {p.step}: estimated {format_bytes(p.bytes)} (not measured)" for p in estimate.peaks
         ]
+    lines += wrap_line(f"  the estimate added {cost}", 80, indent="    ")
     return "\n".join(lines + loops)
 
 

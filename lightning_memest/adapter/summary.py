@@ -10,11 +10,23 @@ without one) gives way to them, and its "Total FLOPs" line shows the estimate's 
 The plain table goes where Lightning's plain summary goes: an INFO record of Lightning's
 ``lightning.pytorch.callbacks.model_summary`` logger, which Lightning gives a console handler unless
 the user configured logging -- so it is shown, and silenced, exactly as Lightning's is.
+
+It is printed at the first training batch, while the progress bar is on the screen: through the bar
+(tqdm's bars cleared and redrawn around it; Rich's live display prints it above itself), so that the
+two never interleave. It fits the console's width (``COLUMNS``, Rich's console): the units are in the
+headers, so a cell is a number, no cell wraps, and where the table is still too wide the columns that
+matter least are left out (:data:`DROP_ORDER`), as the footnote says; the lines below the table wrap
+between figures, never between a number and its unit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+import logging
+import re
+import shutil
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from lightning.pytorch.callbacks import Callback, ModelSummary, RichModelSummary
@@ -29,9 +41,11 @@ from lightning_utilities.core.imports import RequirementCache
 from lightning_memest.report import ModuleStats, StepEstimate, format_bytes, human_flops
 
 __all__ = [
+    "DROP_ORDER",
     "RICH_AVAILABLE",
     "SAVED_HEADER",
     "estimate_columns",
+    "fit_columns",
     "footer_items",
     "loop_footer_items",
     "render_summary",
@@ -40,6 +54,7 @@ __all__ = [
     "silence_other_summaries",
     "total_flops",
     "with_estimate",
+    "wrap_line",
 ]
 
 #: Whether Rich is installed, as Lightning decides it when it picks ``RichModelSummary`` by default
@@ -48,9 +63,23 @@ RICH_AVAILABLE = RequirementCache("rich>=10.2.2")
 
 Column = tuple[str, list[str]]
 
-SAVED_HEADER = "Saved for bwd"
+#: The estimate's columns' headers, each followed by its unit (``Saved MiB``, ``Fwd GFLOP``).
+SAVED_HEADER = "Saved"
+FORWARD_HEADER = "Fwd"
+BACKWARD_HEADER = "Bwd"
 #: Lightning's per-layer FLOPs column, which the estimate's columns replace.
 LIGHTNING_FLOPS_HEADER = "FLOPs"
+#: Where the table is wider than the console, columns are left out in this order (by header's first
+#: word); ``Name`` and the saved bytes always stay.
+DROP_ORDER = ("Mode", " ", "In", "Out", "Type", "Params", BACKWARD_HEADER, FORWARD_HEADER)
+#: What the estimate's columns mean, under the table.
+FOOTNOTE = (
+    "Saved: what the layer's outputs keep alive for backward (a saved tensor counts for the layer that "
+    "made it: a Linear's saved input shows on the layer before). Fwd, Bwd: 2 x MACs of one training step."
+)
+
+_BYTE_UNITS = (("B", 1), ("KiB", 1024), ("MiB", 1024**2), ("GiB", 1024**3), ("TiB", 1024**4))
+_FLOP_UNITS = (("FLOP", 1), ("KFLOP", 10**3), ("MFLOP", 10**6), ("GFLOP", 10**9), ("TFLOP", 10**12))
 
 
 def silence_other_summaries(
@@ -84,12 +113,70 @@ def estimate_columns(layer_names: Sequence[str], estimate: StepEstimate) -> list
     """The extra columns for the summary's layers (module paths relative to the LightningModule)."""
     stats: dict[str, ModuleStats] = {m.path: m for m in estimate.modules.walk()}
     rows = [stats.get(name) for name in layer_names]
-    saved = ["-" if m is None else format_bytes(m.saved_bytes) for m in rows]
-    # In FLOP units (``19.04 GFLOP``): Lightning's counts (``19.0 B``) would read as bytes beside the
-    # saved bytes.
-    forward = ["-" if m is None or m.forward_flops is None else human_flops(m.forward_flops) for m in rows]
-    backward = ["-" if m is None or m.backward_flops is None else human_flops(m.backward_flops) for m in rows]
-    return [(SAVED_HEADER, saved), ("Fwd FLOPs/step", forward), ("Bwd FLOPs/step", backward)]
+    saved = [None if m is None else m.saved_bytes for m in rows]
+    forward = [None if m is None else m.forward_flops for m in rows]
+    backward = [None if m is None else m.backward_flops for m in rows]
+    # In FLOP units (``GFLOP``): Lightning's counts (``19.0 B``) would read as bytes beside the saved
+    # bytes. The unit in the header, so that a cell is a number that never wraps.
+    return [
+        _in_unit(SAVED_HEADER, saved, _BYTE_UNITS),
+        _in_unit(FORWARD_HEADER, forward, _FLOP_UNITS),
+        _in_unit(BACKWARD_HEADER, backward, _FLOP_UNITS),
+    ]
+
+
+def _in_unit(header: str, values: Sequence[int | None], units: Sequence[tuple[str, int]]) -> Column:
+    """A column in the unit of its largest value, named in the header (``Saved MiB``); ``-`` where a
+    layer has no figure, ``<0.01`` where it is not 0 but rounds to it."""
+    largest = max((abs(v) for v in values if v is not None), default=0)
+    unit, scale = next(((u, n) for u, n in reversed(units) if largest >= n), units[0])
+
+    def cell(v: int | None) -> str:
+        if v is None:
+            return "-"
+        if scale == 1 or v == 0:
+            return f"{v:,}"
+        return f"{v / scale:.2f}" if abs(v) >= scale / 200 else "<0.01"
+
+    return (f"{header} {unit}", [cell(v) for v in values])
+
+
+def fit_columns(columns: list[Column], width: int, measure: Callable[[list[Column]], int]) -> list[Column]:
+    """``columns`` less those :data:`DROP_ORDER` names first, one at a time, until ``measure`` (the
+    rendered table's width) is at most ``width``, or nothing more may go."""
+    kept = list(columns)
+    for key in DROP_ORDER:
+        if measure(kept) <= width:
+            break
+        kept = [c for c in kept if _key(c[0]) != key]
+    return kept
+
+
+def _key(header: str) -> str:
+    """A header's first word (``Saved MiB`` -> ``Saved``; Lightning's index column is ``" "``)."""
+    return header.split()[0] if header.strip() else " "
+
+
+#: A figure and its unit, which wrapping keeps on one line.
+_UNITS = "|".join(u for u, _ in (*_BYTE_UNITS, *_FLOP_UNITS, ("B", 1)))
+_TOKEN = re.compile(rf"\S+(?: (?:{_UNITS})(?![\w.])\S*)?")
+
+
+def wrap_line(text: str, width: int, indent: str = "  ") -> list[str]:
+    """``text`` in lines of at most ``width`` (a word longer than that stands alone), broken between
+    words but never between a number and its unit; the lines after the first indented."""
+    lines: list[str] = []
+    lead = text[: len(text) - len(text.lstrip())]  # the first line's own indent, kept
+    line = ""
+    for token in _TOKEN.findall(text):
+        if not line and not lines:
+            line = lead + token
+        elif len(line) + 1 + len(token) > width:
+            lines.append(line)
+            line = indent + token
+        else:
+            line = f"{line} {token}"
+    return [*lines, line] if line else lines
 
 
 def footer_items(estimate: StepEstimate) -> list[tuple[str, str]]:
@@ -175,9 +262,11 @@ def show_summary(
     *,
     rich: bool | None = None,
     header_style: str | None = None,
+    progress_bar: Callback | None = None,
 ) -> None:
     """Lightning's ``summary`` (a ``ModelSummary``) with the estimate's columns and footer, and the
-    other loops' estimates under it (see :func:`render_summary`)."""
+    other loops' estimates under it (see :func:`render_summary`); ``progress_bar``: the trainer's,
+    which it is printed through."""
     footer = footer_items(estimate) if estimate is not None else []
     footer += loop_footer_items(loop_estimates)
     render_summary(
@@ -190,6 +279,7 @@ def show_summary(
         footer,
         rich=rich,
         header_style=header_style,
+        progress_bar=progress_bar,
     )
 
 
@@ -204,19 +294,77 @@ def render_summary(
     *,
     rich: bool | None = None,
     header_style: str | None = None,
+    progress_bar: Callback | None = None,
 ) -> None:
     """Show the summary with the extra columns and footer: with Rich (``rich=None``: where Lightning
     would, that is where Rich is installed; ``header_style`` as ``RichModelSummary``'s), else as
-    Lightning's plain summary is shown."""
+    Lightning's plain summary is shown; beside ``progress_bar`` (the trainer's), through it."""
     use_rich = bool(RICH_AVAILABLE) if rich is None else rich
     counts = (total_parameters, trainable_parameters, model_size, total_training_modes, total_flops)
-    if use_rich:
-        _render_rich(summary_data, *counts, footer, header_style or "bold magenta")
-        return
-    table = _format_summary_table(*counts, *summary_data)
-    # The estimate's lines as in the Rich table's footer: its figures (a breakdown among them) are
-    # longer than the column Lightning keeps for its own counts.
-    lightning_summary.log.info("\n" + table + "".join(f"\n{label}: {value}" for label, value in footer))
+    estimated = any(h.startswith(f"{SAVED_HEADER} ") for h, _ in summary_data)
+    with _beside(progress_bar):
+        if use_rich:
+            _render_rich(summary_data, *counts, footer, header_style or "bold magenta", estimated)
+            return
+        width = shutil.get_terminal_size().columns
+
+        def measure(columns: list[Column]) -> int:
+            return max(map(len, _format_summary_table(*counts, *columns).splitlines()))
+
+        kept = fit_columns(summary_data, width, measure)
+        table = _format_summary_table(*counts, *kept)
+        # The estimate's lines as in the Rich table's footer: its figures (a breakdown among them) are
+        # longer than the column Lightning keeps for its own counts.
+        lines = [line for label, value in footer for line in wrap_line(f"{label}: {value}", width)]
+        lines += _notes(summary_data, kept, width) if estimated else []
+        lightning_summary.log.info("\n" + table + "".join(f"\n{line}" for line in lines))
+
+
+def _notes(columns: list[Column], kept: list[Column], width: int) -> list[str]:
+    """The footnote on the estimate's columns, and which columns were left out to fit ``width``."""
+    dropped = [h.strip() or "#" for h, _ in columns if (h, _) not in kept]
+    notes = wrap_line(FOOTNOTE, width)
+    if dropped:
+        notes += wrap_line(f"Left out to fit {width} columns: {', '.join(dropped)}.", width)
+    return notes
+
+
+@contextlib.contextmanager
+def _beside(progress_bar: Callback | None) -> Iterator[None]:
+    """Print beside Lightning's progress bar: tqdm's bars cleared before and drawn again after; console
+    handlers of Lightning's loggers pointed at ``sys.stdout``/``sys.stderr`` as they are now (where a
+    Rich live display has them, it prints above itself)."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    handlers = _console_handlers(lightning_summary.log)
+    old = [(h, h.stream) for h in handlers]
+    for h, stream in old:
+        h.setStream(sys.stderr if stream is sys.__stderr__ else sys.stdout)
+    try:
+        if isinstance(progress_bar, TQDMProgressBar) and progress_bar.is_enabled:
+            from tqdm import tqdm
+
+            with tqdm.external_write_mode():
+                yield
+        else:
+            yield
+    finally:
+        for h, stream in old:
+            h.setStream(stream)
+
+
+def _console_handlers(logger: logging.Logger) -> list[logging.StreamHandler[Any]]:
+    """The handlers writing to the process's own stdout or stderr that a record of ``logger`` reaches."""
+    found: list[logging.StreamHandler[Any]] = []
+    current: logging.Logger | None = logger
+    while current is not None:
+        found += [
+            h
+            for h in current.handlers
+            if type(h) is logging.StreamHandler and h.stream in (sys.__stdout__, sys.__stderr__)
+        ]
+        current = current.parent if current.propagate else None
+    return found
 
 
 def _render_rich(
@@ -228,34 +376,47 @@ def _render_rich(
     total_flops: int,
     footer: list[tuple[str, str]],
     header_style: str,
+    estimated: bool,
 ) -> None:
     # RichModelSummary hard-codes its columns; this renders any, in the same style.
     from rich import get_console
-    from rich.markup import escape
+    from rich.measure import Measurement
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(header_style=header_style)
-    for header, _ in summary_data:
-        justify: Literal["left", "right"] = "left" if header in (" ", "Name", "Type", "Mode") else "right"
-        table.add_column(
-            header, justify=justify, style="dim" if header == " " else None, no_wrap=header == "Name"
-        )
-    for cells in zip(*(cells for _, cells in summary_data), strict=True):
-        table.add_row(*cells)
     console = get_console()
-    console.print(table)
-    grid = Table.grid(expand=True)
-    grid.add_column()
+
+    def table_of(columns: list[Column]) -> Table:
+        table = Table(header_style=header_style)
+        for header, _ in columns:
+            left = header in (" ", "Name", "Type", "Mode")
+            justify: Literal["left", "right"] = "left" if left else "right"
+            # No cell wraps: a column that does not fit is left out instead (fit_columns).
+            table.add_column(header, justify=justify, style="dim" if header == " " else None, no_wrap=True)
+        for cells in zip(*(cells for _, cells in columns), strict=True):
+            table.add_row(*cells)
+        return table
+
+    def measure(columns: list[Column]) -> int:
+        return Measurement.get(console, console.options, table_of(columns)).maximum
+
+    kept = fit_columns(summary_data, console.width, measure)
+    console.print(table_of(kept))
     rows = [
-        f"[bold]Trainable params[/]: {get_human_readable_count(trainable_parameters)}",
-        f"[bold]Non-trainable params[/]: {get_human_readable_count(total_parameters - trainable_parameters)}",
-        f"[bold]Total params[/]: {get_human_readable_count(total_parameters)}",
-        f"[bold]Total estimated model params size (MB)[/]: {get_formatted_model_size(model_size)}",
-        f"[bold]Modules in train mode[/]: {total_training_modes['train']}",
-        f"[bold]Modules in eval mode[/]: {total_training_modes['eval']}",
-        f"[bold]Total FLOPs[/]: {get_human_readable_count(total_flops)}",
-        *(f"[bold]{escape(label)}[/]: {escape(value)}" for label, value in footer),
+        ("Trainable params", get_human_readable_count(trainable_parameters)),
+        ("Non-trainable params", get_human_readable_count(total_parameters - trainable_parameters)),
+        ("Total params", get_human_readable_count(total_parameters)),
+        ("Total estimated model params size (MB)", get_formatted_model_size(model_size)),
+        ("Modules in train mode", str(total_training_modes["train"])),
+        ("Modules in eval mode", str(total_training_modes["eval"])),
+        ("Total FLOPs", get_human_readable_count(total_flops)),
+        *footer,
     ]
-    for row in rows:
-        grid.add_row(row)
-    console.print(grid)
+    for label, value in rows:
+        for i, line in enumerate(wrap_line(f"{label}: {value}", console.width)):
+            text = Text(line)
+            if i == 0:
+                text.stylize("bold", 0, len(label))
+            console.print(text, no_wrap=True, crop=False)
+    for line in _notes(summary_data, kept, console.width) if estimated else []:
+        console.print(Text(line, style="dim"), no_wrap=True, crop=False)
