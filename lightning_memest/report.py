@@ -143,18 +143,23 @@ class TimelinePoint:
 
 @dataclass(frozen=True)
 class DataDependentRead:
-    """A place where the step read a value of a tensor, which fake tensors do not have."""
+    """A place where the step read a value of a tensor, which fake tensors do not have: answered
+    exactly (``exact``: a value the simulation knows -- the batch's integer and boolean tensors and
+    what is computed from them alone -- or the only one possible) or assumed."""
 
     op: str
     module: str
     assumed: str
-    """What the simulation used instead of the real value (see ``engine.data_dependent``)."""
+    """What the simulation answered: the real value where ``exact``, otherwise what it used instead of
+    it (see ``engine.data_dependent``)."""
     count: int
+    exact: bool = False
 
     def describe(self) -> str:
         """The read in a user's words: ``.item()``-style scalar reads are named as such."""
         what = "a scalar read (.item(), bool(), int())" if "_local_scalar_dense" in self.op else self.op
-        return f"{what} in {self.module or '(root)'} x{self.count}: assumed {self.assumed}"
+        answer = f"exact, {self.assumed}" if self.exact else f"assumed {self.assumed}"
+        return f"{what} in {self.module or '(root)'} x{self.count}: {answer}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +285,8 @@ class StepEstimate:
     modules: ModuleStats
     timeline: tuple[TimelinePoint, ...]
     data_dependent: tuple[DataDependentRead, ...] | None
-    """Where values of fake tensors were read and what was assumed; ``None`` if nowhere."""
+    """Where values of fake tensors were read, each answered exactly or assumed (``.exact``; the
+    assumed ones alone: :attr:`assumed_reads`); ``None`` if nowhere."""
     reserved_bytes: tuple[int, ...] | None
     """Allocator-reserved peaks per step (CUDA); ``None`` where not modelled."""
     flops: FlopCount | None
@@ -332,9 +338,18 @@ class StepEstimate:
         if self.flops is not None:
             lines.append(f"  FLOPs: {self.flops}")
         if self.data_dependent:
-            reads = sum(r.count for r in self.data_dependent)
-            lines.append(f"  the step read tensor values {reads} time(s): assumed (see .data_dependent)")
+            assumed = sum(r.count for r in self.assumed_reads)
+            exact = sum(r.count for r in self.data_dependent) - assumed
+            lines.append(
+                f"  the step read tensor values {exact + assumed} time(s): {exact} exact (known values), "
+                f"{assumed} assumed (see .data_dependent)"
+            )
         return "\n".join(lines)
+
+    @property
+    def assumed_reads(self) -> tuple[DataDependentRead, ...]:
+        """The reads of :attr:`data_dependent` whose answer was assumed, not known (``()``: none)."""
+        return tuple(r for r in self.data_dependent or () if not r.exact)
 
     @property
     def device_bytes(self) -> int | None:
@@ -392,11 +407,14 @@ class StepEstimate:
         }
 
     def data_dependent_json(self) -> list[dict[str, Any]] | None:
-        """The tensor values the step read and what was assumed for them; ``None`` when none."""
+        """The tensor values the step read, whether each was exact and what was answered (assumed where
+        not exact); ``None`` when none."""
         if self.data_dependent is None:
             return None
-        reads = self.data_dependent
-        return [{"op": r.op, "module": r.module, "assumed": r.assumed, "count": r.count} for r in reads]
+        return [
+            {"op": r.op, "module": r.module, "exact": r.exact, "assumed": r.assumed, "count": r.count}
+            for r in self.data_dependent
+        ]
 
 
 def format_bytes(n: int | float) -> str:

@@ -122,12 +122,12 @@ def test_generate_is_estimated_within_1_percent(build: Any, sampling: str) -> No
     assert out.shape == (2, PROMPT + NEW_TOKENS)  # no end-of-sequence token came: the longest run
     assert abs(est.peak_bytes - real) <= 0.01 * real, (est.peak_bytes, real)
     # one read per new token: "not finished" assumed until the maximum length makes it known
-    reads = {(r.op, r.assumed): r.count for r in est.data_dependent or ()}
-    assert reads == {
-        ("aten.is_nonzero.default", "False (assumed: an unknown value equals no given value)"): NEW_TOKENS
-        - 1,
-        ("aten.is_nonzero.default", "True (the only value it can hold)"): 1,
+    assumed = {(r.op, r.assumed): r.count for r in est.assumed_reads}
+    assert assumed == {
+        ("aten.is_nonzero.default", "False (assumed: an unknown value equals no given value)"): NEW_TOKENS - 1
     }
+    exact = {(r.op, r.assumed): r.count for r in est.data_dependent or () if r.exact}
+    assert exact[("aten.is_nonzero.default", "True (the only value it can hold)")] == 1
 
 
 class ForceEos(LogitsProcessor):
@@ -223,4 +223,8 @@ def test_loops_on_known_values_are_not_capped(monkeypatch: pytest.MonkeyPatch) -
         return model(batch).sum() * n
 
     est = estimate_step(nn.Linear(4, 4), torch.randn(2, 4), loss_fn=loss_fn)
-    assert not est.data_dependent
+    assert not est.assumed_reads
+    # every read listed as exact: 21 per step (20 turns and the exit), 2 steps
+    assert [(r.op, r.exact, r.count) for r in est.data_dependent or ()] == [
+        ("aten._local_scalar_dense.default", True, 42)
+    ]

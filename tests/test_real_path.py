@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.fx
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -104,7 +105,7 @@ def test_estimate_equals_the_real_step(case: str) -> None:
         (est.steady_state.bytes, real.steady_state),
     ):
         assert abs(estimated - measured) <= 0.001 * measured, (case, estimated, measured)
-    assert not est.data_dependent  # the values read were the real ones: nothing assumed
+    assert not est.assumed_reads  # the values read were the real ones: nothing assumed
 
 
 def test_tracing_checks_answer_as_in_a_real_run() -> None:
@@ -216,3 +217,36 @@ def test_transformers_is_not_imported_when_the_user_has_not(monkeypatch: pytest.
         monkeypatch.delitem(sys.modules, name)
     estimate_step(nn.Linear(4, 2), torch.randn(3, 4))
     assert "transformers.utils.import_utils" not in sys.modules
+
+
+def test_the_report_lists_which_reads_were_exact_and_which_assumed() -> None:
+    # A graph network's pooling sizes its output by the batch's graph ids (known: exact); a logged
+    # `.item()` of the loss reads an activation (unknown: assumed). The report says which is which.
+    class Pool(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
+            pooled = torch.zeros(int(graph.max()) + 1, 4).index_add(0, graph, x)
+            return self.lin(pooled)
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, graph, y = batch
+        loss = F.cross_entropy(model(x, graph), y)
+        loss.item()  # logging
+        return loss
+
+    graph = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3])
+    batch = (torch.randn(8, 4), graph, torch.tensor([0, 1, 2, 0]))
+    est = estimate_step(Pool(), batch, loss_fn=loss_fn, optimizer=torch.optim.SGD, steps=1)
+    reads = {(r.op, r.module, r.exact): r.assumed for r in est.data_dependent or ()}
+    assert reads == {
+        ("aten._local_scalar_dense.default", "", True): "its real value",
+        ("aten._local_scalar_dense.default", "", False): "0.0",
+    }
+    assert [r.assumed for r in est.assumed_reads] == ["0.0"]
+    text = str(est)
+    assert "read tensor values 2 time(s): 1 exact (known values), 1 assumed" in text
+    json_reads = est.to_json()["data_dependent"]
+    assert sorted((r["exact"], r["assumed"]) for r in json_reads) == [(False, "0.0"), (True, "its real value")]

@@ -147,13 +147,14 @@ def module_tree(
 
 
 class DataDependentReads(Observer):
-    """Each distinct read of a fake tensor's value (op, module, what was assumed) and how often."""
+    """Each distinct read of a fake tensor's value (op, module, what was answered, whether exactly) and
+    how often."""
 
     def __init__(self) -> None:
-        self.counts: Counter[tuple[str, str, str]] = Counter()
+        self.counts: Counter[tuple[str, str, str, bool]] = Counter()
 
     def on_data_dependent(self, e: DataDependent) -> None:
-        self.counts[(e.op, e.module, e.assumed)] += 1
+        self.counts[(e.op, e.module, e.assumed, e.exact)] += 1
 
     @property
     def reads(self) -> tuple[DataDependentRead, ...] | None:
@@ -161,7 +162,8 @@ class DataDependentReads(Observer):
         if not self.counts:
             return None
         return tuple(
-            DataDependentRead(op, module, assumed, n) for (op, module, assumed), n in self.counts.items()
+            DataDependentRead(op, module, assumed, n, exact)
+            for (op, module, assumed, exact), n in self.counts.items()
         )
 
 

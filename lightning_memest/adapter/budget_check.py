@@ -43,9 +43,7 @@ class BudgetCheck:
 
     def budget_bytes(self, estimate: StepEstimate, device: Any) -> int:
         """The budget in bytes ``estimate`` is held against on ``device`` (``budget.budget_for``)."""
-        return budget_for(
-            estimate, device, memory_budget=self.memory_budget, margin_bytes=self.margin_bytes
-        )
+        return budget_for(estimate, device, memory_budget=self.memory_budget, margin_bytes=self.margin_bytes)
 
     def result(
         self,

@@ -115,14 +115,19 @@ def _print_estimate(est: StepEstimate, out: TextIO) -> None:
         print(f"\n  modules saving the most for backward (first step, top {TOP_MODULES}):", file=out)
         for m in top:
             print(f"    {m.path + ' (' + m.type_name + ')':<40}{format_bytes(m.saved_bytes):>12}", file=out)
-    if est.data_dependent:
+    exact = [r for r in est.data_dependent or () if r.exact]
+    if exact:
+        print("\n  the step read tensor values the simulation knows (exact):", file=out)
+        for read in exact:
+            print(f"    {read.describe()}", file=out)
+    if est.assumed_reads:
         # Fake tensors have no values: a branch on one takes the path the assumed value leads to.
         print(
             "\n  the step read tensor values, which the simulation assumed (code that branches on them"
             "\n  followed the assumed value; memory of the other branch is not in the estimate):",
             file=out,
         )
-        for read in est.data_dependent:
+        for read in est.assumed_reads:
             print(f"    {read.describe()}", file=out)
     if est.flops is not None:
         f = est.flops
@@ -286,10 +291,10 @@ def _print_compare(settings: Settings, rows: list[dict[str, Any]], out: TextIO) 
         if row["error"] is not None:
             print(f"{row['model'] if estimated is None else '':<36}{row['error']}", file=out)
     for row in rows:
-        if row["data_dependent"] is not None:
-            # A branch on a value fake tensors lack followed the assumed value: the likeliest cause of
-            # a large error, so say it where the error is read.
-            reads = sum(r["count"] for r in row["data_dependent"])
+        # A branch on a value fake tensors lack followed the assumed value: the likeliest cause of a
+        # large error, so say it where the error is read (reads of known values were exact).
+        reads = sum(r["count"] for r in row["data_dependent"] or () if not r["exact"])
+        if reads:
             print(
                 f"note: {row['model']} read tensor values {reads} time(s); fake tensors have none, so"
                 "\n      branches on them followed assumed values (memest estimate lists them)",

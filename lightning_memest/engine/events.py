@@ -220,11 +220,13 @@ class ModuleExit:
 
 @dataclass(frozen=True, slots=True)
 class DataDependent:
-    """A value of a fake tensor was read; the engine assumed ``assumed`` (see ``data_dependent``)."""
+    """A value of a fake tensor was read; the engine answered ``assumed`` (see ``data_dependent``):
+    the real value where ``exact`` (a value the simulation knows, or the only one possible)."""
 
     op: str
     module: str
     assumed: str
+    exact: bool = False
 
 
 @dataclass(frozen=True, slots=True)

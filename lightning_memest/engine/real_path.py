@@ -137,8 +137,8 @@ def real_path(
     whose integer and boolean values are known to the simulation. With ``cpu_allocator`` (a step
     simulated for the CPU) the copies of the CPU generator's state that a real step makes are fake
     tensors, allocated and freed where the real ones are. On exit transformers' check, torch's RNG
-    functions and ``mode`` are exactly as they were. Yields the known values (their ``reads``: how
-    often one decided a read or a size).
+    functions and ``mode`` are exactly as they were. Yields the known values (their ``on_read``: told
+    each time one decided a read or a size).
     """
     values = KnownValues(mode)
     for fake, real in batch:
@@ -227,8 +227,9 @@ class KnownValues:
     def __init__(self, mode: FakeTensorMode) -> None:
         self.mode = mode
         self.fake_dispatch = mode.dispatch
-        self.reads = 0
-        """How many times a known value decided something: a scalar read, a data-dependent size."""
+        self.on_read: Callable[[torch._ops.OpOverload, str], None] | None = None
+        """Told of each time a known value decided something (the op, what it answered): a scalar
+        read, a data-dependent size."""
         self._copies: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
 
     def add_batch_tensor(self, fake: Tensor, real: Tensor) -> None:
@@ -267,7 +268,7 @@ class KnownValues:
         if func in _READS and all_known:
             answer = _run_real(func, args, kwargs)
             if answer is not _NO_VALUE:
-                self.reads += 1
+                self._read(func, "its real value")
                 return answer
         try:
             out = self.fake_dispatch(func, types, args, kwargs)
@@ -277,7 +278,7 @@ class KnownValues:
             real = _run_real(func, args, kwargs)
             if real is _NO_VALUE or not _all_small(real):
                 raise
-            self.reads += 1
+            self._read(func, "the real size")
             return self._fake_of(real, _first_fake(args, kwargs))  # the real size
         # Integer and boolean outputs of known values or of constants keep their values; floating-point
         # ones only where every tensor argument is known (not a float made of a shape alone: an
@@ -290,6 +291,10 @@ class KnownValues:
         if valued:
             _forget_written(func, args, kwargs)
         return out
+
+    def _read(self, func: torch._ops.OpOverload, what: str) -> None:
+        if self.on_read is not None:
+            self.on_read(func, what)
 
     def _fake_of(self, real: Any, like: FakeTensor) -> Any:
         """A fake tensor of ``like``'s device for each real output, knowing its value."""

@@ -183,6 +183,7 @@ def simulate(
         values = stack.enter_context(
             real_path(mode, known, cpu_allocator=target.type == "cpu" and what_if is None)
         )
+        values.on_read = tracker.known_read
         for t, role, path in _residents(model, fake_batch):
             tracker.add_resident(t, role, path)
         companion_fakes = [t for c in companions for _, t, _ in resident_tensors(c)]
@@ -230,7 +231,7 @@ def simulate(
     shapes = tuple(
         tuple(tuple(t.shape) for t in iter_tensors(batches[min(i, len(batches) - 1)])) for i in range(steps)
     )
-    reads = values.reads + sum(1 for e in tracker.events if type(e) is DataDependent)
+    reads = sum(1 for e in tracker.events if type(e) is DataDependent)
     return Simulation(
         tracker.events,
         target,

@@ -274,6 +274,10 @@ class Tracker:
         self.events.append(ModuleExit(path, Phase.BACKWARD if backward else Phase.FORWARD, handles))
 
     # --- ops ------------------------------------------------------------------------------------
+    def known_read(self, func: torch._ops.OpOverload, what: str) -> None:
+        """A read answered from values the simulation knows (``engine.real_path``): exact, listed."""
+        self.events.append(DataDependent(str(func), self.module, what, True))
+
     def run_op(
         self,
         run: Callable[[], Any],
@@ -293,7 +297,7 @@ class Tracker:
                     op=str(func),
                     module=self.module,
                 ) from exc
-            self.events.append(DataDependent(str(func), self.module, ans.assumed))
+            self.events.append(DataDependent(str(func), self.module, ans.assumed, ans.exact))
             if not ans.exact:
                 self._read_guard.count(str(func), self.module, self.step)
             out = ans.value
