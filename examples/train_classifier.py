@@ -71,7 +71,7 @@ def main() -> None:
         accelerator="auto",
         devices=1,
         max_epochs=1,
-        max_steps=args.steps,
+        limit_train_batches=args.steps,
         precision=args.precision,
         callbacks=[memest],
         logger=TensorBoardLogger("lightning_logs", name=f"memest-{args.arch}"),
