@@ -1,6 +1,6 @@
-"""Regenerate the sample outputs in README.md from the commands that print them.
+"""Regenerate the sample outputs in README.md and docs/*.md from the commands that print them.
 
-Each sample in the README sits between two markers that name its command::
+Each sample sits between two markers that name its command::
 
     <!-- output: memest estimate torchvision.models:resnet18 --input-shape 3,224,224 --batch-size 8 -->
     ```
@@ -11,16 +11,19 @@ Each sample in the README sits between two markers that name its command::
 and :data:`SAMPLES` says, for each such command, which part of its output is shown and what in it depends
 on the machine. Usage, from anywhere:
 
-    python benchmarks/readme_outputs.py                # run every command, rewrite its block in README.md
+    python benchmarks/readme_outputs.py                # run every command, rewrite its blocks
     python benchmarks/readme_outputs.py --check        # exit 1, with a diff, where a block is stale
     python benchmarks/readme_outputs.py --only "memest estimate ..."   # one command (repeatable)
+    python benchmarks/readme_outputs.py --file docs/cli.md             # one document (repeatable)
 
-The commands run from the repository root in one fixed environment (:data:`ENV`: the CPU with no GPU
-visible, 2 threads, the kernel models of one instruction set, a terminal 100 columns wide), so that the
-estimates on fake tensors print the same bytes on any machine. What still depends on the machine is
-masked when comparing (seconds everywhere; in a fit, the kernels calibrated on this machine and the
-measured peaks), and rewritten as it comes. ``tests/test_readme.py`` compares the README against the
-output of the same runs (:func:`stale`), so a sample that no longer matches fails the tests.
+Each command runs once, however many documents show it. The commands run from the repository root in one
+fixed environment (:data:`ENV`: the CPU with no GPU visible, 2 threads, the kernel models of one
+instruction set, a terminal 80 columns wide; and, for the main example, no ``rich``, as the README's
+set-up command installs it), so that the estimates on fake tensors print the same bytes on any machine.
+What still depends on the machine is masked when comparing (seconds everywhere; in a fit, the kernels
+calibrated on this machine and the measured peaks), and rewritten as it comes. ``tests/test_readme.py``
+compares the README against the output of the same runs (:func:`stale`), so a sample that no longer
+matches fails the tests.
 """
 
 from __future__ import annotations
@@ -36,13 +39,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+#: The documents whose samples are checked: the README and every page of docs/.
+DOCUMENTS = (README, *sorted((ROOT / "docs").glob("*.md")))
 
 #: The environment every sample runs in: what would make the output differ between machines, fixed.
 ENV = {
     "CUDA_VISIBLE_DEVICES": "",  # the samples are of CPU runs, also on a machine with a GPU
     "OMP_NUM_THREADS": "2",  # some CPU kernel models scale with the thread count
     "MEMEST_CPU_ISA": "avx512",  # the hand-written kernel models of one instruction set, whatever the CPU
-    "COLUMNS": "100",  # rich's tables and wrapping
+    "COLUMNS": "80",  # the summary's width, rich's tables and wrapping
     "KINETO_LOG_LEVEL": "6",  # the profiler's chatter (stderr)
 }
 
@@ -62,12 +67,29 @@ class Sample:
     #: Regular expressions (multi-line mode, ``.`` not matching newlines unless ``(?s:...)``) of what
     #: depends on the machine beyond :data:`SECONDS`: masked when comparing.
     machine: tuple[str, ...] = ()
+    #: Without ``rich`` (``tests/no_rich`` on ``PYTHONPATH``): what ``pip install -e ".[vision]"`` gives.
+    no_rich: bool = False
+    #: stdout and stderr as one terminal shows them (in order; of each line, what follows its last
+    #: carriage return): where the output is Lightning's, on both streams beside a progress bar.
+    terminal: bool = False
+
+    def environment(self) -> dict[str, str]:
+        """The variables the command runs with, on top of the caller's."""
+        extra = dict(ENV)
+        if self.no_rich:
+            path = [str(ROOT / "tests" / "no_rich"), str(ROOT), os.environ.get("PYTHONPATH", "")]
+            extra["PYTHONPATH"] = os.pathsep.join(filter(None, path))
+        return extra
 
 
 SAMPLES = (
     Sample(
         "python examples/train_classifier.py",
-        keep=((r"^┏", r"^Estimated FLOPs per batch"), (r"^MemEstimate \(", r"^  step 2: ")),
+        keep=(
+            (r"^  \| Name", r"^0 \| model"),
+            (r"^Estimated peak memory, first step", r"^For batches of shapes"),
+            (r"^MemEstimate \(", r"^  step 2: "),
+        ),
         # The callback calibrates kernel memory on this machine (its default), and measures real steps.
         machine=(
             r"(?<=^Estimated peak memory, first step \(cpu\): ).*$",
@@ -75,11 +97,13 @@ SAMPLES = (
             r"^At the steady-state peak:(?s:.*?)(?=^For batches)",
             r"(?<=^  step \d: ).*$",
         ),
+        no_rich=True,
+        terminal=True,
     ),
     Sample("memest estimate torchvision.models:resnet18 --input-shape 3,224,224 --batch-size 8"),
     Sample(
-        "memest plan tests.models:TinyGPT --model-kwargs '{\"n_layers\": 12, \"d_model\": 256, "
-        "\"vocab\": 1000, \"seq_len\": 128}' --tokens 128 --vocab 1000 --batch-size 8 --budget 256MiB"
+        'memest plan tests.models:TinyGPT --model-kwargs \'{"n_layers": 12, "d_model": 256, '
+        '"vocab": 1000, "seq_len": 128}\' --tokens 128 --vocab 1000 --batch-size 8 --budget 256MiB'
     ),
     Sample("memest plan torchvision.models:resnet50 --input-shape 3,224,224 --batch-size 32 --budget 2GiB"),
 )
@@ -101,13 +125,36 @@ def blocks(readme: str) -> dict[str, str]:
     return {m["command"]: m["text"] for m in BLOCK.finditer(readme)}
 
 
-def run(s: Sample) -> str:
-    """What ``s.command`` prints on stdout, run from the repository root in :data:`ENV`."""
+def screen(output: bytes) -> str:
+    """What a terminal shows of ``output``: of each line, the text after its last carriage return (a
+    progress bar redraws itself with them)."""
+    return "\n".join(line.rsplit("\r", 1)[-1] for line in output.decode(errors="replace").split("\n"))
+
+
+def execute(s: Sample, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``s.command`` run from the repository root in its environment (on top of ``env``, else this
+    process's): stdout is what the sample shows (with stderr, as a terminal shows both, for a
+    :attr:`Sample.terminal` one)."""
     done = subprocess.run(
-        s.command, shell=True, cwd=ROOT, env={**os.environ, **ENV}, capture_output=True, text=True
+        s.command,
+        shell=True,
+        cwd=ROOT,
+        env={**(os.environ if env is None else env), **s.environment()},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if s.terminal else subprocess.PIPE,
+        executable="/bin/bash",
     )
+    stdout = screen(done.stdout) if s.terminal else done.stdout.decode()
+    return subprocess.CompletedProcess(done.args, done.returncode, stdout, (done.stderr or b"").decode())
+
+
+def run(s: Sample) -> str:
+    """What ``s.command`` prints (see :func:`execute`)."""
+    done = execute(s)
     if done.returncode != 0:
-        raise RuntimeError(f"{s.command} exited with {done.returncode}:\n{done.stderr[-4000:]}")
+        raise RuntimeError(
+            f"{s.command} exited with {done.returncode}:\n{(done.stderr or done.stdout)[-4000:]}"
+        )
     return done.stdout
 
 
@@ -141,14 +188,14 @@ def stale(s: Sample, shown: str, printed: str) -> str | None:
     a, b = masked(s, shown).splitlines(), masked(s, printed).splitlines()
     if a == b:
         return None
-    return "\n".join(difflib.unified_diff(a, b, "README.md", s.command, lineterm=""))
+    return "\n".join(difflib.unified_diff(a, b, "shown", s.command, lineterm=""))
 
 
 def rewrite(readme: str, command: str, text: str) -> str:
     """``readme`` with the block of ``command`` holding ``text``."""
     found = [m for m in BLOCK.finditer(readme) if m["command"] == command]
     if len(found) != 1:
-        raise ValueError(f"README.md has {len(found)} output blocks for {command!r}, not one")
+        raise ValueError(f"the document has {len(found)} output blocks for {command!r}, not one")
     m = found[0]
     return readme[: m.start("text")] + text + "\n" + readme[m.end("text") :].lstrip("\n")
 
@@ -159,35 +206,48 @@ def main() -> int:
     )
     parser.add_argument("--check", action="store_true", help="compare instead of rewriting; exit 1 if stale")
     parser.add_argument("--only", action="append", metavar="COMMAND", help="this sample's command only")
-    parser.add_argument("--readme", type=Path, default=README, help="the README to read and rewrite")
+    parser.add_argument(
+        "--file",
+        "--readme",
+        action="append",
+        type=Path,
+        dest="files",
+        metavar="FILE",
+        help="a document to read and rewrite (repeatable; default: README.md and docs/*.md)",
+    )
     args = parser.parse_args()
 
-    readme = args.readme.read_text()
-    shown = blocks(readme)
-    unknown = sorted(set(shown) - {s.command for s in SAMPLES})
+    files = args.files or list(DOCUMENTS)
+    shown = {f: blocks(f.read_text()) for f in files}
+    every = {c for b in shown.values() for c in b}
+    unknown = sorted(every - {s.command for s in SAMPLES})
     if unknown:
-        parser.error(f"{args.readme} has output blocks with no sample here: {unknown}")
-    chosen = [sample(c) for c in args.only] if args.only else [s for s in SAMPLES if s.command in shown]
+        parser.error(f"output blocks with no sample here: {unknown}")
+    chosen = [sample(c) for c in args.only] if args.only else [s for s in SAMPLES if s.command in every]
     for s in chosen:
-        if s.command not in shown:
-            parser.error(f"{args.readme} has no output block for {s.command!r}")
+        if s.command not in every:
+            parser.error(f"no output block for {s.command!r} in {', '.join(map(str, files))}")
     failed = 0
     printed: dict[str, str] = {}
     for s in chosen:
         print(f"== {s.command}", file=sys.stderr, flush=True)
-        printed[s.command] = excerpt(s, run(s))
-        diff = stale(s, shown[s.command], printed[s.command])
-        if diff:
-            print(diff)
-            failed += 1
+        printed[s.command] = excerpt(s, run(s))  # once, for every document that shows it
+        for f, found in shown.items():
+            if s.command in found:
+                diff = stale(s, found[s.command], printed[s.command])
+                if diff:
+                    print(f"{f}:\n{diff}")
+                    failed += 1
     if args.check:
-        print(f"{len(chosen) - failed} of {len(chosen)} samples are up to date", file=sys.stderr)
+        print(f"{failed} stale sample block(s)", file=sys.stderr)
         return 1 if failed else 0
-    # Read again: the runs take a while, and the README may have been edited meanwhile.
-    readme = args.readme.read_text()
-    for command, text in printed.items():
-        readme = rewrite(readme, command, text)
-    args.readme.write_text(readme)
+    # Read again: the runs take a while, and the documents may have been edited meanwhile.
+    for f in files:
+        text = f.read_text()
+        for command, out in printed.items():
+            if command in blocks(text):
+                text = rewrite(text, command, out)
+        f.write_text(text)
     return 0
 
 

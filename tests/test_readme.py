@@ -1,5 +1,6 @@
-"""The README is true: every command and every Python block in it runs, its sample outputs are what
-their commands print now, and what it names exists.
+"""The README and the pages of docs/ are true: every command and every Python block in them runs, their
+sample outputs are what their commands print now, and what they name exists. (Below, "the documents":
+README.md and docs/*.md, read as one text; a command given in two of them runs once.)
 
 * ``bash`` blocks: each command (backslash continuations joined, a trailing ``# comment`` dropped, the
   halves of ``a && b`` taken apart) runs in a shell from the repository root, exactly as written, and
@@ -19,8 +20,11 @@ their commands print now, and what it names exists.
 * Plain blocks are sample outputs, not run. Those between ``<!-- output: COMMAND -->`` markers must be
   what COMMAND prints now, in the environment ``benchmarks/readme_outputs.py`` fixes, the figures that
   depend on the machine masked; that script rewrites them (tested here on a copy of the README).
-* Every file the README names exists (with the package's files in its layout), every flag of the CLI
-  synopsis is one ``memest COMMAND --help`` lists, and every ``lightning_memest.x.y`` it names imports.
+* Every file the documents name exists (with the package's files in the layout of
+  docs/how-it-works.md), every link between them leads to a file, every flag of the CLI synopsis is
+  one ``memest COMMAND --help`` lists, and every ``lightning_memest.x.y`` they name imports.
+* The README stays a landing page: at most 250 lines, linking every page of docs/; and no document
+  speaks of the project's history (internal run labels such as "session 5"; that is the CHANGELOG's).
 
 The runs go two at a time (this project's CI machine has two cores), all started with the module's first
 test, longest first; each test waits for its own. ``pytest -s`` prints each run's seconds (about 70 s
@@ -52,7 +56,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-TEXT = README.read_text()
+#: Each document's text, the README first.
+DOCUMENTS = {p: p.read_text() for p in (README, *sorted((ROOT / "docs").glob("*.md")))}
+README_TEXT = DOCUMENTS[README]
+#: The documents as one text, for what is checked alike in each.
+TEXT = "\n\n".join(DOCUMENTS.values())
 TIMEOUT_S = 600
 
 #: Commands the README gives that do not run here, by a regular expression matched at the command's
@@ -238,9 +246,18 @@ BENCHMARKS = benchmark_flags()
 PYTHON_BLOCKS = fenced("python")
 
 
+def sample_run(command: str) -> Done:
+    """A sample's command, run as ``readme_outputs.py`` runs it (its environment; stdout and stderr as
+    one terminal shows them where the sample says so)."""
+    start = time.perf_counter()
+    done = outputs.execute(SAMPLES[command], env=environment())
+    return Done(done.returncode, done.stdout, done.stderr or "", time.perf_counter() - start)
+
+
 def command_job(command: str) -> Job:
-    env = outputs.ENV if command in SAMPLES else None  # a sample's run is also its comparison's
-    return Job(f"$ {command}", lambda: shell(command, env=env), first="examples/train_classifier" in command)
+    # A sample's run is also its comparison's.
+    run = (lambda: sample_run(command)) if command in SAMPLES else (lambda: shell(command))
+    return Job(f"$ {command}", run, first="examples/train_classifier" in command)
 
 
 def python_job(index: int) -> Job:
@@ -358,19 +375,27 @@ def test_readme_benchmark_commands_are_checked() -> None:
 @pytest.mark.parametrize("job", [command_job(c) for c in SAMPLES], ids=list(SAMPLES))
 def test_readme_sample_output_is_what_the_command_prints(runs: Runs, job: Job) -> None:
     command = job.key.removeprefix("$ ")
-    shown = outputs.blocks(TEXT)
-    assert command in shown, f"README.md has no <!-- output: {command} --> block"
-    assert command in COMMANDS, f"the README shows the output of {command} but never gives the command"
+    shown = {
+        path: outputs.blocks(text)[command]
+        for path, text in DOCUMENTS.items()
+        if command in outputs.blocks(text)
+    }
+    assert shown, f"no document has a <!-- output: {command} --> block"
+    assert command in COMMANDS, f"the documents show the output of {command} but never give the command"
     done = runs.result(job)
     assert done.returncode == 0, done.report()
-    diff = outputs.stale(SAMPLES[command], shown[command], outputs.excerpt(SAMPLES[command], done.stdout))
-    assert diff is None, (
-        f"README's output of {command} is stale (python benchmarks/readme_outputs.py):\n{diff}"
-    )
+    printed = outputs.excerpt(SAMPLES[command], done.stdout)
+    for path, text in shown.items():  # one run, compared with every document that shows it
+        diff = outputs.stale(SAMPLES[command], text, printed)
+        assert diff is None, (
+            f"{path.relative_to(ROOT)}'s output of {command} is stale "
+            f"(python benchmarks/readme_outputs.py):\n{diff}"
+        )
 
 
 def test_every_readme_sample_has_its_command() -> None:
-    assert set(outputs.blocks(TEXT)) == set(SAMPLES), "output blocks and readme_outputs.SAMPLES differ"
+    shown = {c for text in DOCUMENTS.values() for c in outputs.blocks(text)}
+    assert shown == set(SAMPLES), "output blocks and readme_outputs.SAMPLES differ"
 
 
 REGENERATED = "memest estimate torchvision.models:resnet18 --input-shape 3,224,224 --batch-size 8"
@@ -381,7 +406,7 @@ def _regenerate() -> tuple[Done, str]:
     printed, and the copy afterwards."""
     with tempfile.TemporaryDirectory(prefix="memest-readme-") as folder:
         copy = Path(folder) / "README.md"
-        copy.write_text(outputs.rewrite(TEXT, REGENERATED, "stale"))
+        copy.write_text(outputs.rewrite(README_TEXT, REGENERATED, "stale"))
         done = shell(f"python benchmarks/readme_outputs.py --readme {copy} --only '{REGENERATED}'")
         return done, copy.read_text()
 
@@ -394,10 +419,10 @@ def test_readme_outputs_script_rewrites_a_stale_sample(runs: Runs, job: Job) -> 
     assert "-stale" in done.stdout  # the diff it shows
     sample = SAMPLES[REGENERATED]
     assert outputs.masked(sample, outputs.blocks(rewritten)[REGENERATED]) == outputs.masked(
-        sample, outputs.blocks(TEXT)[REGENERATED]
+        sample, outputs.blocks(README_TEXT)[REGENERATED]
     )
-    assert rewritten.replace(outputs.blocks(rewritten)[REGENERATED], "") == TEXT.replace(
-        outputs.blocks(TEXT)[REGENERATED], ""
+    assert rewritten.replace(outputs.blocks(rewritten)[REGENERATED], "") == README_TEXT.replace(
+        outputs.blocks(README_TEXT)[REGENERATED], ""
     ), "the script changed more than the block"
 
 
@@ -405,10 +430,42 @@ def test_readme_outputs_script_rewrites_a_stale_sample(runs: Runs, job: Job) -> 
 
 
 def test_every_file_the_readme_names_exists() -> None:
-    named = set(re.findall(r"(?<![\w/.~<-])(?:\./)?((?:[\w-]+/)+[\w.-]+\.(?:py|md|sh|png|json|toml))", TEXT))
+    # (docs/api.md is the docstrings, which name torch's files too.)
+    prose = "\n\n".join(t for p, t in DOCUMENTS.items() if p != ROOT / "docs" / "api.md")
+    named = set(re.findall(r"(?<![\w/.~<-])(?:\./)?((?:[\w-]+/)+[\w.-]+\.(?:py|md|sh|png|json|toml))", prose))
     assert len(named) > 10
     missing = [p for p in named if not (ROOT / p).exists() and not (ROOT / "lightning_memest" / p).exists()]
-    assert not missing, f"README.md names files that do not exist: {sorted(missing)}"
+    assert not missing, f"the documents name files that do not exist: {sorted(missing)}"
+
+
+def test_every_link_leads_to_a_file() -> None:
+    # Markdown links and pictures, relative to the document that has them (web addresses aside).
+    broken = []
+    for path, text in DOCUMENTS.items():
+        for target in re.findall(r"\]\(([^)\s]+)\)", FENCE.sub("", text)):
+            file = target.split("#")[0]
+            if file and not re.match(r"\w+://", file) and not (path.parent / file).exists():
+                broken.append(f"{path.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+
+
+def test_the_readme_is_a_landing_page() -> None:
+    lines = README_TEXT.count("\n")
+    assert lines <= 250, f"README.md has {lines} lines: move the details to docs/"
+    linked = set(re.findall(r"\]\(docs/([\w.-]+\.md)\)", README_TEXT))
+    pages = {p.name for p in DOCUMENTS if p.parent.name == "docs"}
+    assert pages and pages <= linked, f"docs/ pages the README does not link: {sorted(pages - linked)}"
+
+
+def test_no_document_tells_the_project_s_history() -> None:
+    # Internal run labels and earlier runs' figures belong in CHANGELOG.md, not in the documents.
+    labels = r"\bsessions? \d+|\(session\b|session \d+'s|\bround \d+\b|an earlier run\b|earlier runs read"
+    found = [
+        f"{path.relative_to(ROOT)}:{text[: m.start()].count(chr(10)) + 1}: {m.group(0)}"
+        for path, text in DOCUMENTS.items()
+        for m in re.finditer(labels, text, re.I)
+    ]
+    assert not found, found
 
 
 def test_every_file_of_the_readme_layout_exists() -> None:
@@ -423,12 +480,12 @@ def test_every_file_of_the_readme_layout_exists() -> None:
             listed.append(Path("lightning_memest", *folders, name))
     assert len(listed) > 30
     missing = [str(p) for p in listed if not (ROOT / p).is_file()]
-    assert not missing, f"README.md's layout lists files that do not exist: {missing}"
+    assert not missing, f"the layout (docs/how-it-works.md) lists files that do not exist: {missing}"
     # And the other way: a module of the package that the layout does not list is a concept a reader
     # cannot find by its file name.
     package = {p.relative_to(ROOT) for p in (ROOT / "lightning_memest").rglob("*.py")}
     unlisted = sorted(str(p) for p in package - set(listed) if p.name != "__init__.py")
-    assert not unlisted, f"modules missing from README.md's layout: {unlisted}"
+    assert not unlisted, f"modules missing from the layout of docs/how-it-works.md: {unlisted}"
 
 
 def _synopsis() -> list[tuple[list[str], list[str]]]:
@@ -490,3 +547,17 @@ def test_every_name_the_readme_gives_exists() -> None:
     fields = {f.name for f in dataclasses.fields(StepEstimate)}
     for attr in {m for s in code_spans() for m in re.findall(r"^StepEstimate\.(\w+)", s)}:
         assert attr in fields or hasattr(StepEstimate, attr), f"README names StepEstimate.{attr}"
+
+
+def test_the_api_reference_is_what_its_script_writes() -> None:
+    spec = importlib.util.spec_from_file_location("api_reference", ROOT / "benchmarks" / "api_reference.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    written = module.page()
+    assert (
+        "### `lightning_memest.MemEstimate`" in written and "### `lightning_memest.estimate_step`" in written
+    )
+    assert DOCUMENTS[ROOT / "docs" / "api.md"] == written, (
+        "docs/api.md is stale: python benchmarks/api_reference.py"
+    )
