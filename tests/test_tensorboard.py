@@ -120,10 +120,13 @@ def test_scalars_are_in_mib_with_the_unit_in_the_tag(run: Run, tb: TensorBoardSe
     }
     measured = [m.peak_bytes / MIB for m in run.memest.measured]
     assert [v for _, v in series(tb, MEASURED, "memest/peak_MiB")] == pytest.approx(measured)
-    estimated = [m.estimated_bytes / MIB for m in run.memest.measured]
-    assert [v for _, v in series(tb, ESTIMATE, "memest/peak_MiB")] == pytest.approx(estimated)
     estimate = run.memest.estimate
     assert estimate is not None and estimate.flops is not None
+    # The estimate of every logged batch: the measured ones', then the steady state's for the others.
+    estimated = [m.estimated_bytes / MIB for m in run.memest.measured] + [
+        estimate.steady_state.bytes / MIB
+    ] * 2
+    assert [v for _, v in series(tb, ESTIMATE, "memest/peak_MiB")] == pytest.approx(estimated)
     forward = series(tb, RUN, "memest/GFLOP_per_batch/forward")
     assert forward[-1][1] == pytest.approx(estimate.flops.forward / 1e9)
 
@@ -132,7 +135,9 @@ def test_estimate_and_measurement_are_two_runs_on_one_chart(run: Run, tb: Tensor
     # TensorBoard colours lines by run: the two series are two runs of one tag.
     tags = tb.get("/data/plugin/scalars/tags")
     assert "memest/peak_MiB" in tags[ESTIMATE] and "memest/peak_MiB" in tags[MEASURED]
-    assert len(series(tb, ESTIMATE, "memest/peak_MiB")) == len(series(tb, MEASURED, "memest/peak_MiB")) == 2
+    # The estimate a line over the training (every logged step: 4), the measurement its 2 batches.
+    assert len(series(tb, ESTIMATE, "memest/peak_MiB")) == 4
+    assert len(series(tb, MEASURED, "memest/peak_MiB")) == 2
     layout = tb.get("/data/plugin/custom_scalars/layout")
     charts = {chart["title"]: chart["multiline"]["tag"] for chart in layout["category"][0]["chart"]}
     assert charts["peak allocated (MiB): estimate vs measured"] == ["^memest/peak_MiB$"]
@@ -145,7 +150,9 @@ def test_measured_points_are_at_the_steps_lightning_logs_their_batches_at(
     batch_at = dict(series(tb, RUN, "batch_idx"))  # step -> the batch Lightning logged there
     measured = series(tb, MEASURED, "memest/peak_MiB")
     assert [batch_at[step] for step, _ in measured] == [0.0, 1.0]  # the first and the second batch
-    assert [step for step, _ in series(tb, ESTIMATE, "memest/peak_MiB")] == [step for step, _ in measured]
+    estimated = [step for step, _ in series(tb, ESTIMATE, "memest/peak_MiB")]
+    assert [batch_at[step] for step in estimated] == [0.0, 1.0, 2.0, 3.0]  # every batch, at its own step
+    assert set(estimated) >= {step for step, _ in measured}
     assert [step for step, _ in series(tb, RUN, "memest/error_pct")] == [step for step, _ in measured]
 
 

@@ -384,6 +384,8 @@ class MemEstimate(ModelSummary):
     ) -> None:
         if self._every_step(trainer):
             self._safely("measuring", lambda: self._log_step_peak(trainer, batch))
+        elif self._steps_started > CHECKED_STEPS and self.estimate is not None:  # a line over the training
+            self._safely("logging", lambda: self._fit_log.step_estimate(trainer, self._estimate_of(batch)))
         probe = self._probe
         if probe is None or self._steps_started > CHECKED_STEPS:
             return
@@ -537,8 +539,12 @@ class MemEstimate(ModelSummary):
         return cuda and self.check and bool(self.measured) and self._steps_started > CHECKED_STEPS
 
     def _log_step_peak(self, trainer: pl.Trainer, batch: Any) -> None:
+        self._fit_log.step_peak(trainer, self._estimate_of(batch))
+
+    def _estimate_of(self, batch: Any) -> StepEstimate | None:
+        """The estimate made for ``batch``'s shapes (the first estimate where none was)."""
         shapes = tuple(tuple(t.shape) for t in iter_tensors(batch))
-        self._fit_log.step_peak(trainer, self.estimates.get(shapes, self.estimate))
+        return self.estimates.get(shapes, self.estimate)
 
     # --- never in the way: adapter/guard.py -------------------------------------------------------------
     def _safely(self, what: str, fn: Callable[[], _T]) -> _T | None:

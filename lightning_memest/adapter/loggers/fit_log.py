@@ -73,6 +73,18 @@ class FitLog:
         )
         log_scalars(trainer.loggers, scalars, self.measured_at[measured.step - 1])
 
+    @staticmethod
+    def step_estimate(trainer: pl.Trainer, estimate: StepEstimate | None) -> None:
+        """The estimate of a batch after the measured ones (its shapes' steady state), where Lightning
+        logs that batch: the estimate is a line over the whole training, the measurement beside it
+        where a batch is measured (on CUDA every logged batch, through :meth:`step_peak` instead)."""
+        if estimate is None or not lightning_logs_now(trainer):
+            return
+        index = len(estimate.peaks) - 1
+        reserved = None if estimate.reserved_bytes is None else estimate.reserved_bytes[index]
+        scalars = estimate_scalars(estimate.peaks[index].bytes, reserved, estimate.flops)
+        log_scalars(trainer.loggers, scalars, logging_step(trainer))
+
     def step_peak(self, trainer: pl.Trainer, estimate: StepEstimate | None) -> None:
         """This batch's peak into the peaks since the last logged point; logged where Lightning logs,
         beside ``estimate`` (the one for this batch's shapes)."""
