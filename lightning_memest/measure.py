@@ -59,6 +59,7 @@ from lightning_memest.batches import iter_tensors
 from lightning_memest.engine.fake import local_tensor, resident_tensors
 from lightning_memest.engine.inference_step import PlainLoop, loop_runner
 from lightning_memest.engine.step import Runner, StepConfig, StepListener
+from lightning_memest.engine.tracker import storages_of
 from lightning_memest.report import format_bytes
 
 __all__ = [
@@ -135,7 +136,7 @@ def live_tensors(device: torch.device, *, besides: Iterable[Tensor] = (), full: 
     # fit's tensors in unreachable cycles counted (a sanity check +25 %). ``full=False``: a young one,
     # where a full one ran moments ago in the same trainer call (see ``LiveTensorScan``).
     gc.collect() if full else gc.collect(1)
-    seen = {_storage_key(t) for t in besides if t.device.type != "meta"}
+    seen = {key for t in besides if t.device.type != "meta" for key in _storage_keys(t)}
     found: list[Tensor] = []
     # The tensors among the collector's objects, picked by exact type in C-level loops (a process with
     # Lightning and a model holds half a million objects; isinstance on each took twice as long, and
@@ -150,13 +151,12 @@ def live_tensors(device: torch.device, *, besides: Iterable[Tensor] = (), full: 
         if device.index is not None and obj.device.index not in (None, device.index):
             continue
         try:
-            key = _storage_key(obj)
+            keys = [key for key in _storage_keys(obj) if key[0] != 0 and key not in seen]
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
             continue
-        if key[0] == 0 or key in seen:
-            continue
-        seen.add(key)
-        found.append(obj)
+        if keys:
+            seen.update(keys)
+            found.append(obj)
     return found
 
 
@@ -206,9 +206,9 @@ def _tensor_types() -> set[type]:
     return found
 
 
-def _storage_key(t: Tensor) -> tuple[int, int]:
-    storage = local_tensor(t).untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
+def _storage_keys(t: Tensor) -> list[tuple[int, int]]:
+    """``(address, bytes)`` of each storage behind ``t`` (a sparse tensor's parts: two or three)."""
+    return [(s.data_ptr(), s.nbytes()) for s in storages_of(local_tensor(t))]
 
 
 def resident_bytes(tensors: Iterable[Tensor]) -> int:
@@ -227,12 +227,11 @@ def resident_bytes(tensors: Iterable[Tensor]) -> int:
     for t in tensors:
         if t.device.type == "meta":
             continue
-        storage = t.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key in seen or key[0] == 0:
-            continue
-        seen.add(key)
-        total += key[1]
+        for key in _storage_keys(t):
+            if key in seen or key[0] == 0:
+                continue
+            seen.add(key)
+            total += key[1]
     return total
 
 
@@ -248,9 +247,9 @@ def resident_blocks(tensors: Iterable[Tensor]) -> dict[int, int]:
     for t in tensors:
         if t.device.type != "cpu" or isinstance(t, FakeTensor):
             continue
-        address, nbytes = _storage_key(t)
-        if address:
-            blocks[address] = nbytes
+        for address, nbytes in _storage_keys(t):
+            if address:
+                blocks[address] = nbytes
     return blocks
 
 

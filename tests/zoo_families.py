@@ -2,7 +2,9 @@
 a sparse mixture of experts from transformers' Mixtral config (its grouped experts take
 ``aten._grouped_mm``, whose fake kernel refuses float32 while the CPU kernel runs it: run for real), and
 a graph attention network from torch_geometric over mini-batches of graphs (its batch object holds the
-tensors; global pooling sizes its output by the graph ids' largest value, which the batch holds).
+tensors; global pooling sizes its output by the graph ids' largest value, which the batch holds), and
+a recommender with sparse embeddings and a sparse optimizer (its gradients are sparse tensors, whose
+entries the fake kernels lose: ``engine.sparse``).
 """
 
 from __future__ import annotations
@@ -111,6 +113,61 @@ class GraphClassifier(pl.LightningModule):
         return GraphLoader(self.dataset, batch_size=8, shuffle=True)
 
 
+class Clicks(Dataset[tuple[Tensor, Tensor, Tensor, Tensor]]):
+    """Click logs: a user id, 12 item ids of the user's history, 8 dense features and a click label."""
+
+    def __init__(self, n: int = 512, users: int = 5000, items: int = 20000) -> None:
+        g = torch.Generator().manual_seed(7)
+        self.users = torch.randint(0, users, (n,), generator=g)
+        self.items = torch.randint(0, items, (n, 12), generator=g)
+        self.dense = torch.randn(n, 8, generator=g)
+        self.clicks = torch.randint(0, 2, (n,), generator=g).float()
+
+    def __len__(self) -> int:
+        return len(self.users)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        return self.users[i], self.items[i], self.dense[i], self.clicks[i]
+
+
+class Recommender(pl.LightningModule):
+    """A DLRM-style click model: sparse user embeddings and a sparse bag of item embeddings
+    (``sparse=True``), an MLP over them and the dense features; ``SparseAdam`` for the embeddings and
+    ``Adam`` for the rest, stepped by hand (two optimizers: manual optimization)."""
+
+    def __init__(self, dataset: Dataset[Any], users: int = 5000, items: int = 20000, dim: int = 32) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.users = nn.Embedding(users, dim, sparse=True)
+        self.items = nn.EmbeddingBag(items, dim, mode="mean", sparse=True)
+        self.mlp = nn.Sequential(nn.Linear(2 * dim + 8, 64), nn.ReLU(), nn.Linear(64, 1))
+        self.dataset = dataset
+
+    def training_step(self, batch: tuple[Tensor, Tensor, Tensor, Tensor], batch_idx: int) -> None:
+        users, items, dense, clicks = batch
+        sparse_opt, dense_opt = self.optimizers()  # type: ignore[misc]
+        x = torch.cat([self.users(users), self.items(items), dense], 1)
+        loss = F.binary_cross_entropy_with_logits(self.mlp(x).squeeze(1), clicks)
+        sparse_opt.zero_grad()
+        dense_opt.zero_grad()
+        self.manual_backward(loss)
+        sparse_opt.step()
+        dense_opt.step()
+        self.log("train_loss", loss)
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        embeddings = [*self.users.parameters(), *self.items.parameters()]
+        return [torch.optim.SparseAdam(embeddings, lr=1e-3), torch.optim.Adam(self.mlp.parameters(), lr=1e-3)]
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.dataset, batch_size=64, shuffle=True)
+
+
+def _recommender() -> Built:
+    data = Counting(Clicks())
+    return Built(Recommender(data), data)
+
+
 def _mixtral() -> Built:
     data = Counting(TokenBlocks())
     return Built(MixtralLM(data), data)
@@ -124,4 +181,10 @@ def _gat() -> Built:
 FAMILY_CASES: tuple[ZooCase, ...] = (
     ZooCase("hf_mixtral_moe", _mixtral, what="transformers Mixtral MoE (grouped experts, run for real)"),
     ZooCase("pyg_gat_graphs", _gat, what="torch_geometric GATConv over graph mini-batches, mean pool"),
+    ZooCase(
+        "sparse_recommender",
+        _recommender,
+        max_steps=4,
+        what="DLRM-style: Embedding/EmbeddingBag(sparse=True), SparseAdam + Adam by hand",
+    ),
 )

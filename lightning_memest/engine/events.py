@@ -90,6 +90,11 @@ class TensorMeta:
         return math.prod(self.shape)
 
     @property
+    def strided(self) -> bool:
+        """Whether a strided tensor (not sparse: no strides, its bytes in its parts)."""
+        return len(self.stride) == len(self.shape)
+
+    @property
     def itemsize(self) -> int:
         return self.dtype.itemsize
 
@@ -128,6 +133,14 @@ class OpCall:
     grad_enabled: bool = True
     """Whether grad mode was on (forward: usually; backward and optimizer: off). Some kernels allocate
     by it: oneDNN's LSTM makes its workspace only with grad mode on."""
+
+    @property
+    def strided(self) -> bool:
+        """Whether every tensor the call takes or makes is strided (a real stand-in can be made)."""
+        args = (*self.args, *self.kwargs.values())
+        metas = [m for a in args for m in (a if isinstance(a, (list, tuple)) else (a,))]
+        metas += self.outputs
+        return all(m.strided for m in metas if isinstance(m, TensorMeta))
 
     def arg(self, name: str, default: Any = None) -> Any:
         """The argument called ``name`` in the op's schema: positional, keyword, or its default."""

@@ -53,6 +53,7 @@ from lightning_memest.engine.pointer_kernels import pointer_kernels
 from lightning_memest.engine.read_guard import ReadGuard
 from lightning_memest.engine.real_ops import NotRunnable, run_for_real
 from lightning_memest.engine.real_path import known_value
+from lightning_memest.engine.sparse import carry_indices, sparse_rule
 from lightning_memest.engine.value_sets import carry_value_sets, remember_written_sets
 from lightning_memest.errors import EstimationError
 
@@ -119,7 +120,9 @@ class Tracker:
         self.mode: FakeTensorMode | None = None
         """The fake mode the ops run in (set by it): where an op runs for real, its outputs are made
         fake in it."""
-        self._workspace = 0  # what the op just run for real allocated beyond its outputs
+        self.workspace = 0
+        """What the op just run allocated beyond its outputs while it ran (run for real, or a sparse
+        rule's kernel): taken by its ``OpEvent``."""
         self.real_ops: Counter[str] = Counter()
         """Ops whose fake kernel failed, run for real on stand-ins (``engine.real_ops``), by op."""
 
@@ -167,15 +170,17 @@ class Tracker:
         return [h for h in found if h is not None]
 
     def add_resident(self, t: Tensor, role: Role, path: str) -> None:
-        """A storage that exists before the step (parameter, buffer, batch tensor)."""
-        handle = self._register(local_tensor(t).untyped_storage(), True, self.events)
-        self._residents.add(handle)
-        self.events.append(Tag(handle, role, path))
+        """A tensor whose storages exist before the step (parameter, buffer, batch tensor, a sparse
+        gradient's parts)."""
+        for storage in storages_of(local_tensor(t)):
+            handle = self._register(storage, True, self.events)
+            self._residents.add(handle)
+            self.events.append(Tag(handle, role, path))
 
     def settle_residents(self, residents: list[tuple[Tensor, Role, str]]) -> None:
         """The step's residents once a wrapper has been built: FSDP replaces each parameter by its shard,
         and the full one no longer exists on this rank (the real run frees it, or never had it)."""
-        keep = {local_tensor(t).untyped_storage()._cdata for t, _, _ in residents}
+        keep = {s._cdata for t, _, _ in residents for s in storages_of(local_tensor(t))}
         for key, handle in list(self._handles.items()):
             if handle in self._residents and key not in keep:
                 del self._handles[key], self._sizes[key], self._refs[key]
@@ -274,9 +279,10 @@ class Tracker:
         self.events.append(ModuleExit(path, Phase.BACKWARD if backward else Phase.FORWARD, handles))
 
     # --- ops ------------------------------------------------------------------------------------
-    def known_read(self, func: torch._ops.OpOverload, what: str) -> None:
-        """A read answered from values the simulation knows (``engine.real_path``): exact, listed."""
-        self.events.append(DataDependent(str(func), self.module, what, True))
+    def known_read(self, func: torch._ops.OpOverload, what: str, exact: bool = True) -> None:
+        """A read answered outside the data-dependent policy, listed with its answer: from values the
+        simulation knows (``engine.real_path``: exact), or by a rule of ``engine.sparse``."""
+        self.events.append(DataDependent(str(func), self.module, what, exact))
 
     def run_op(
         self,
@@ -320,7 +326,7 @@ class Tracker:
         try:
             if mode is None:
                 raise NotRunnable("no fake mode to run it beside")
-            out, self._workspace = run_for_real(mode, func, args, kwargs, real_value)
+            out, self.workspace = run_for_real(mode, func, args, kwargs, real_value)
         except Exception as real:
             why = f"not run for real: {real}" if isinstance(real, NotRunnable) else "and for real"
             raise EstimationError(
@@ -401,10 +407,10 @@ class Tracker:
                 call,
                 handles if capture else None,
                 leaves[0].numel() if leaves else 0,
-                self._workspace,
+                self.workspace,
             )
         )
-        self._workspace = 0
+        self.workspace = 0
         self.events.extend(allocs)
 
 
@@ -511,9 +517,16 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
 
             return self.tracker.run_op(update, func, tuple(args), kwargs)
 
+        rule = sparse_rule(func, args)
+
         def run() -> Any:
             self._depth += 1
             try:
+                if rule is not None:  # a sparse tensor's entries, which the fake kernel loses
+                    note = functools.partial(self.tracker.known_read, func)
+                    backward = self.tracker.phase is Phase.BACKWARD
+                    out, self.tracker.workspace = rule(func, args, kwargs, note, backward)
+                    return out
                 return super(TrackingFakeTensorMode, self).__torch_dispatch__(func, types, args, kwargs)
             finally:
                 self._depth -= 1
@@ -521,6 +534,7 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         remember_written_sets(func, args, real_value)  # what a write is about to forget
         out = self.tracker.run_op(run, func, tuple(args), kwargs, self._answer)
         carry_value_sets(func, args, out, real_value, kwargs)
+        carry_indices(func, args, out, real_value)
         return out
 
     def _own(self, args: Sequence[object], kwargs: Mapping[str, object]) -> bool:

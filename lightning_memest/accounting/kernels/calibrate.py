@@ -256,9 +256,10 @@ def _preserved_generators(device: torch.device) -> Iterator[None]:
 
 
 def calibrated_calls(sim: Simulation) -> list[OpCall]:
-    """The calls of ``sim`` that calibration measures, in the order the step made them (repeats too)."""
+    """The calls of ``sim`` that calibration measures, in the order the step made them (repeats too);
+    not those of sparse tensors (``engine.sparse`` says what their kernels allocate)."""
     calls = (e.call for e in sim.events if type(e) is OpEvent)
-    return [c for c in calls if c is not None and calibratable(c.op) and not outputs_only(c)]
+    return [c for c in calls if c is not None and calibratable(c.op) and not outputs_only(c) and c.strided]
 
 
 def _distinct_calls(sim: Simulation) -> dict[str, OpCall]:
