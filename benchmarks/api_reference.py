@@ -63,9 +63,9 @@ def _entry(module: str, name: str, obj: Any) -> list[str]:
     kind = "class" if inspect.isclass(obj) else "function" if callable(obj) else "value"
     out = [f"### `{module}.{name}`", ""]
     if kind == "value":
-        out += ["```python", f"{name} = {obj!r}", "```", ""]
+        out += ["```text", f"{name} = {obj!r}", "```", ""]
         return out
-    out += ["```python", f"{'class ' if kind == 'class' else ''}{name}{_signature(obj)}", "```", ""]
+    out += ["```text", f"{'class ' if kind == 'class' else ''}{name}{_signature(obj)}", "```", ""]
     out += ["```text", _doc(obj), "```", ""]  # as written (reST, doctests): not Markdown
     if kind == "class":
         members = _member_lines(obj)

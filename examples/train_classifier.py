@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--arch", default="resnet18", help="a torchvision classification model")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--precision", default="32-true")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=16, help="training batches (one epoch: 16)")
     args = parser.parse_args()
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the CPU profiler's start/stop chatter
 

@@ -96,7 +96,7 @@ def test_estimate_logged_and_within_two_percent_of_measured(tmp_path: Path) -> N
     assert min(logged["memest/GFLOP_per_batch/forward"] + logged["memest/GFLOP_per_batch/backward"]) > 0
     measured = scalars(tmp_path, "memest/measured")["memest/peak_MiB"]
     assert measured == pytest.approx([m.peak_bytes / 2**20 for m in memest.measured])
-    estimated = scalars(tmp_path, "memest/estimate")["memest/peak_MiB"]
+    estimated = scalars(tmp_path, "memest/simulated")["memest/peak_MiB"]
     assert estimated[-1] == pytest.approx(memest.measured[1].estimated_bytes / 2**20)
     assert gc.isenabled()  # the collector was paused for the two measured steps only
     acc = EventAccumulator(str(tmp_path / "tb" / "version_0"))

@@ -3,9 +3,12 @@ timeline figure (the HParams record is ``tensorboard_hparams.py``).
 
 TensorBoard colours lines by run, not by tag: two tags of one run drawn on one chart differ only by
 their markers. So an estimate and its measurement (``memest/peak_MiB/estimate`` and ``.../measured``
-to other loggers) go to two runs inside the logger's own, ``memest/estimate`` and ``memest/measured``,
+to other loggers) go to two runs inside the logger's own, ``memest/simulated`` and ``memest/measured``,
 under one tag, ``memest/peak_MiB``: every scalar dashboard draws them on one chart, in two colours,
-named in the legend. Everything else goes through Lightning's ``TensorBoardLogger`` as usual.
+named in the legend. TensorBoard draws the run whose name sorts first on top: the measurement
+(``measured`` < ``simulated``), a few points over the estimate's line of every logged step, so the
+two read as two series where they agree. Everything else goes through Lightning's
+``TensorBoardLogger`` as usual.
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from lightning_memest.adapter.loggers.scalars import (
 from lightning_memest.adapter.loggers.timeline import timeline_figure
 from lightning_memest.report import StepEstimate
 
-__all__ = ["SERIES", "layout", "log_estimate", "log_scalars", "register_layout", "series_of"]
+__all__ = ["RUNS", "SERIES", "layout", "log_estimate", "log_scalars", "register_layout", "series_of"]
 
 _LAYOUT_FLAG = "_memest_layout_registered"
 _WRITERS = "_memest_series_writers"
 #: The last part of a tag that names a series; each is a run of its own (``memest/<series>``).
 SERIES = ("estimate", "measured")
+#: The run of each series: the measurement's name sorts first, so TensorBoard draws it on top.
+RUNS = {"estimate": "memest/simulated", "measured": "memest/measured"}
 
 
 def series_of(tag: str) -> tuple[str, str] | None:
@@ -40,9 +45,11 @@ def series_of(tag: str) -> tuple[str, str] | None:
 
     >>> series_of("memest/peak_MiB/measured")
     ('memest/measured', 'memest/peak_MiB')
+    >>> series_of("memest/peak_MiB/estimate")
+    ('memest/simulated', 'memest/peak_MiB')
     """
     head, _, last = tag.rpartition("/")
-    return (f"memest/{last}", head) if last in SERIES and head else None
+    return (RUNS[last], head) if last in SERIES and head else None
 
 
 def _series_writer(logger: TensorBoardLogger, run: str) -> SummaryWriter:
