@@ -700,3 +700,30 @@ def test_sets_of_known_values_are_worked_out_once() -> None:
     assert first is not None and first.tolist() == [1]
     assert cached is first
     assert again is not None and again.tolist() == [2]
+
+
+def test_a_routers_selections_share_its_picks_evenly() -> None:
+    # Each of 1000 tokens picks 2 of 6 experts (topk) or 1 (argmax); `ids == e` per expert shares the
+    # picks: in any order the shares add up to every pick, each at most its own bound; the same
+    # expert selected again gets the same share; a picked value outside the experts gets none.
+    tracker = Tracker()
+    mode = TrackingFakeTensorMode(tracker)
+    with real_path(mode), mode:
+        logits = torch.randn(1000, 6)
+        ids = logits.topk(2, dim=-1).indices
+        top2 = [len(torch.where(ids == e)[0]) for e in (5, 0, 3, 1, 2, 4)]
+        again = len(torch.where(ids == 0)[0])
+        flat = ids.view(-1)  # views of the picks are picks too
+        flat_shares = [int(torch.nonzero(flat == e).shape[0]) for e in range(6)]
+        best = logits.argmax(-1)
+        top1 = [len(torch.where(best == e)[0]) for e in range(6)]
+        none = len(torch.where(ids == 6)[0])
+        other = torch.randint(0, 6, (1000,))  # unknown values, not picks: each selection its bound
+        unpicked = [len(torch.where(other == e)[0]) for e in range(1, 3)]
+    assert sum(top2) == 2000 and max(top2) - min(top2) <= 1, top2
+    assert again == top2[1]
+    assert sum(flat_shares) == 2000 and sum(top1) == 1000 and max(top1) - min(top1) <= 1, (flat_shares, top1)
+    assert none == 0
+    assert unpicked == [1000, 1000]
+    reads = [e.assumed for e in tracker.events if isinstance(e, DataDependent) and "even share" in e.assumed]
+    assert reads[0] == "334 of 2000 nonzero (an even share of 6 values selected apart)", reads[0]

@@ -1,6 +1,7 @@
 """Zoo cases of families the first zoo did not have (issue 25), written as each library's users write them:
 a sparse mixture of experts from transformers' Mixtral config (its grouped experts take
-``aten._grouped_mm``, whose fake kernel refuses float32 while the CPU kernel runs it: run for real), and
+``aten._grouped_mm``, whose fake kernel refuses float32 while the CPU kernel runs it: run for real), a
+hand-written top-2 router (its experts' shares of the tokens: ``engine.nonzero_bounds``), and
 a graph attention network from torch_geometric over mini-batches of graphs (its batch object holds the
 tensors; global pooling sizes its output by the graph ids' largest value, which the batch holds), and
 a recommender with sparse embeddings and a sparse optimizer (its gradients are sparse tensors, whose
@@ -113,6 +114,81 @@ class GraphClassifier(pl.LightningModule):
         return GraphLoader(self.dataset, batch_size=8, shuffle=True)
 
 
+class TopKMoE(nn.Module):
+    """A hand-written top-2 mixture of experts, as tutorials write one: a linear router, softmax, top-k,
+    then a loop over the experts, each taking the tokens routed to it (``torch.where(ids == e)``)."""
+
+    def __init__(self, dim: int, experts: int = 8, k: int = 2) -> None:
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)) for _ in range(experts)
+        )
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = self.router(x).softmax(-1)
+        weights, ids = probs.topk(self.k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(ids == e)
+            if token.numel() == 0:
+                continue
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        # the load-balancing loss of Switch Transformers: routed share times mean probability
+        share = F.one_hot(ids[:, 0], probs.shape[-1]).float().mean(0)
+        return out.view(shape), probs.shape[-1] * (share * probs.mean(0)).sum()
+
+
+class MoELM(pl.LightningModule):
+    """A small language model of two pre-norm blocks, attention and a hand-written top-2 MoE each."""
+
+    def __init__(self, dataset: Dataset[Any], vocab: int = 512, dim: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "norm1": nn.LayerNorm(dim),
+                    "attn": nn.MultiheadAttention(dim, 4, batch_first=True),
+                    "norm2": nn.LayerNorm(dim),
+                    "moe": TopKMoE(dim),
+                }
+            )
+            for _ in range(2)
+        )
+        self.head = nn.Linear(dim, vocab)
+        self.dataset = dataset
+
+    def training_step(self, ids: Tensor, batch_idx: int) -> Tensor:
+        x = self.embed(ids[:, :-1])
+        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1], device=x.device)
+        aux = x.new_zeros(())
+        for block in self.blocks:
+            h = block["norm1"](x)
+            x = x + block["attn"](h, h, h, attn_mask=causal, need_weights=False)[0]
+            y, balance = block["moe"](block["norm2"](x))
+            x, aux = x + y, aux + balance
+        loss = F.cross_entropy(self.head(x).flatten(0, 1), ids[:, 1:].flatten()) + 0.01 * aux
+        self.log("train_loss", loss)
+        self.log("balance", aux.item())
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.dataset, batch_size=8, shuffle=True)
+
+
+def _topk_moe() -> Built:
+    data = Counting(TokenBlocks(n=64, length=65))
+    return Built(MoELM(data), data)
+
+
 class Clicks(Dataset[tuple[Tensor, Tensor, Tensor, Tensor]]):
     """Click logs: a user id, 12 item ids of the user's history, 8 dense features and a click label."""
 
@@ -181,6 +257,7 @@ def _gat() -> Built:
 FAMILY_CASES: tuple[ZooCase, ...] = (
     ZooCase("hf_mixtral_moe", _mixtral, what="transformers Mixtral MoE (grouped experts, run for real)"),
     ZooCase("pyg_gat_graphs", _gat, what="torch_geometric GATConv over graph mini-batches, mean pool"),
+    ZooCase("topk_moe_lm", _topk_moe, what="a hand-written top-2 MoE (a loop over experts, torch.where)"),
     ZooCase(
         "sparse_recommender",
         _recommender,

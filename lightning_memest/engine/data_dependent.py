@@ -60,7 +60,13 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves
 
 from lightning_memest.engine.assumed_values import assumed_set
-from lightning_memest.engine.nonzero_bounds import nonzero_bound, set_holds, set_only_zero, spread_bound
+from lightning_memest.engine.nonzero_bounds import (
+    nonzero_bound,
+    selection_share,
+    set_holds,
+    set_only_zero,
+    spread_bound,
+)
 from lightning_memest.engine.value_sets import ValueLookup, int_values, values_in
 from lightning_memest.registry import Op, OpRegistry
 
@@ -308,9 +314,12 @@ def _not_equal(call: Call) -> Answer:
 @POLICIES.register(aten.nonzero, aten.argwhere)
 def _all_nonzero(call: Call) -> Answer:
     t = call.args[0]
-    n, _ = _set_count(t, call)
+    n, known = _set_count(t, call)
     # the CPU kernel's layout: column-major
     out = torch.empty_strided((n, t.dim()), (1, max(n, 1)), dtype=torch.long, device=t.device)
+    shared = None if known else selection_share(t)
+    if shared is not None:
+        return Answer(out, f"{n} of {t.numel()} nonzero (an even share of {shared} values selected apart)")
     return Answer(out, _said(n, t.numel(), f"every element nonzero ({n} of {n})", "nonzero"))
 
 
