@@ -115,3 +115,20 @@ def test_a_plan_leaves_the_model_alone_until_applied() -> None:
     assert wrapped == set(plan.modules)
     assert "transformers" not in str(plan) and "checkpointing" in str(plan)
     assert plan.to_json()["modules"] == [{"path": p, "kind": "full"} for p in plan.modules]
+
+
+def test_a_cuda_what_if_plan_is_for_the_gpu_given() -> None:
+    # On an H100-class GPU cuBLAS keeps a 32 MiB workspace (8 MiB before Hopper): the plan's estimates
+    # are for the GPU named, as estimate_step's are.
+    from lightning_memest.accounting.cuda_device import CudaDevice
+
+    torch.manual_seed(0)
+    model = TinyGPT(n_layers=2, d_model=64, n_heads=4, vocab=256, seq_len=32)
+    batch = lm_batch(4, 32, vocab=256)
+    settings: dict[str, Any] = {"loss_fn": lm_loss, "optimizer": torch.optim.AdamW, "device": "cuda"}
+    for gpu in (CudaDevice((8, 0)), CudaDevice((9, 0))):
+        plan = plan_checkpointing(model, batch, 2**50, gpu=gpu, **settings)
+        assert plan.baseline.peak_bytes == estimate_step(model, batch, gpu=gpu, **settings).peak_bytes, gpu
+    hopper = plan_checkpointing(model, batch, 2**50, gpu=CudaDevice((9, 0)), **settings).baseline.peak_bytes
+    ampere = plan_checkpointing(model, batch, 2**50, gpu=CudaDevice((8, 0)), **settings).baseline.peak_bytes
+    assert hopper > ampere
