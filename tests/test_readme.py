@@ -140,7 +140,11 @@ def readme_commands() -> list[str]:
     found = [c for block in fenced("bash") for c in shell_commands(block)]
     found += [s for s in code_spans() if re.match(r"(python|bash|pip|tensorboard) ", s)]
     found += [f"python {p}" for p in re.findall(r"(?<![\w/])(examples/\w+\.py)", TEXT)]
-    return list(dict.fromkeys(found))
+    # Once each: the same command spelt with other spaces (aligned in a block) is the same run.
+    unique: dict[str, str] = {}
+    for command in found:
+        unique.setdefault(command if "'" in command or '"' in command else " ".join(command.split()), command)
+    return list(unique.values())
 
 
 def benchmark_flags() -> dict[str, list[str]]:

@@ -39,7 +39,7 @@ def attempt(what: str, fn: Callable[[], _T]) -> tuple[_T | None, str | None]:
 
 #: What a user can do when their step cannot be simulated (the error names the op and the module).
 _ESTIMATION_HINT = (
-    "; what you can do: see the README's known limits for that op, give MemEstimate(example_batch=...) "
+    "; what you can do: see docs/known-limits.md for that op, give MemEstimate(example_batch=...) "
     "a batch to estimate instead, or report it with a small reproduction of the module"
 )
 
