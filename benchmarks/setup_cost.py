@@ -22,11 +22,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_LINE = re.compile(
+_WORDS = (
     r"the estimate added (?P<total>[\d.]+) s to fit start: (?P<simulating>[\d.]+) s simulating, "
     r"(?P<calibrating>[\d.]+) s calibrating kernels, (?P<scanning>[\d.]+) s finding other live tensors"
-    .replace(" ", r"\s+")  # describe() wraps its lines at 80 columns
 )
+_LINE = re.compile(_WORDS.replace(" ", r"\s+"))  # describe() wraps its lines at 80 columns
 
 
 @dataclass(frozen=True)

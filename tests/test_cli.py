@@ -347,7 +347,8 @@ def test_the_json_holds_every_figure_the_table_prints(capsys: pytest.CaptureFixt
         line = f"{m['module']} ({m['type']})"
         assert re.search(rf"^    {re.escape(line)} +{re.escape(format_bytes(m['saved_bytes']))}$", out, re.M)
     for key, label in (("forward", "forward"), ("backward", "backward"), ("other", "other (elementwise)")):
-        assert re.search(rf"^    {re.escape(label)} +{re.escape(human_flops(data['flops'][key]))}$", out, re.M)
+        figure = re.escape(human_flops(data["flops"][key]))
+        assert re.search(rf"^    {re.escape(label)} +{figure}$", out, re.M), key
 
 
 def test_max_batch_size_names_the_input_not_a_batch_size(capsys: pytest.CaptureFixture[str]) -> None:
