@@ -27,8 +27,9 @@ README.md and docs/*.md, read as one text; a command given in two of them runs o
   speaks of the project's history (internal run labels such as "session 5"; that is the CHANGELOG's).
 
 The runs go two at a time (this project's CI machine has two cores), all started with the module's first
-test, longest first; each test waits for its own. ``pytest -s`` prints each run's seconds (about 70 s
-for the whole file on two idle cores; the main example, 15-25 s, is the longest).
+test, longest first; each test waits for its own. ``pytest -s`` prints each run's seconds (136-183 s
+for the whole file on two cores shared with other work; the main example, one epoch of 16 steps,
+33-42 s, is the longest).
 """
 
 from __future__ import annotations
