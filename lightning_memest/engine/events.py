@@ -133,6 +133,13 @@ class OpCall:
     grad_enabled: bool = True
     """Whether grad mode was on (forward: usually; backward and optimizer: off). Some kernels allocate
     by it: oneDNN's LSTM makes its workspace only with grad mode on."""
+    context: tuple[tuple[str, Any], ...] = ()
+    """What the step's code had set when it called the op that the op's arguments do not say (the SDP
+    backends a CUDA what-if's attention may use: ``engine.cuda_paths``)."""
+
+    def noted(self, name: str, default: Any = None) -> Any:
+        """The value of ``name`` in :attr:`context`, or ``default``."""
+        return next((value for key, value in self.context if key == name), default)
 
     @property
     def strided(self) -> bool:

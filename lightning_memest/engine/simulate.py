@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from lightning_memest.batches import iter_tensors
 from lightning_memest.engine.autograd_threads import settle_device_threads
 from lightning_memest.engine.cuda_autocast import cuda_autocast_lists
+from lightning_memest.engine.cuda_paths import cuda_code_paths
 from lightning_memest.engine.distributed import (
     FSDP,
     fake_process_group,
@@ -165,6 +166,8 @@ def simulate(
             stack.enter_context(_cuda_optimizer_defaults(what_if=what_if == "cuda"))
         if what_if == "cuda" and autocast_dtype(precision) is not None:
             stack.enter_context(cuda_autocast_lists())  # the CPU's autocast, with CUDA's op lists
+        if what_if == "cuda":
+            stack.enter_context(cuda_code_paths(tracker))  # CUDA's branches of composite ops
         # torch.compile'd modules run eagerly here: compiling on fake tensors inside the estimate
         # crashed the process (a segfault no warning can catch). The estimate is of eager memory.
         stack.enter_context(torch._dynamo.config.patch(disable=True))

@@ -120,6 +120,8 @@ class Tracker:
         self.mode: FakeTensorMode | None = None
         """The fake mode the ops run in (set by it): where an op runs for real, its outputs are made
         fake in it."""
+        self.op_context: tuple[tuple[str, Any], ...] = ()
+        """Recorded with each op call (``OpCall.context``) while set (``engine.cuda_paths``)."""
         self.workspace = 0
         """What the op just run allocated beyond its outputs while it ran (run for real, or a sparse
         rule's kernel): taken by its ``OpEvent``."""
@@ -387,6 +389,7 @@ class Tracker:
                 tuple(TensorMeta.of(t) if isinstance(t, Tensor) else None for t in tree_leaves(out)),
                 _device_type(args, leaves),
                 torch.is_grad_enabled(),
+                self.op_context,
             )
             if capture
             else None

@@ -43,8 +43,9 @@ Backend choice (:func:`cuda_backend`) follows ``select_sdp_backend`` in
 Not modelled (the defaults and common cases are assumed): nested tensors, GQA (``enable_gqa``),
 ``use_deterministic_algorithms`` (which vetoes cuDNN), strides and storage offsets (all are taken as
 contiguous and aligned; the cuDNN layout check is not in ``can_use_cudnn_attention``'s list),
-``attn_mask`` shapes (taken as 2-D or 4-D broadcastable, without grad), user changes to the enable flags
-or the order, and ROCm.
+``attn_mask`` shapes (taken as 2-D or 4-D broadcastable, without grad), user changes to the order
+(``torch._C._set_sdp_priority_order``), and ROCm. The enable flags are followed
+(``cuda_backend(enabled=...)``): in a what-if, ``engine.cuda_paths`` records them at each call.
 
 Saved bytes (:func:`saved_bytes`) count what the forward allocates *beyond its output* that autograd
 keeps until backward: q, k, v and the output are not counted (the caller has them; fused backends save
@@ -236,21 +237,33 @@ def cuda_backend(
     capability: tuple[int, int] | None,
     *,
     cudnn_version: int = DEFAULT_CUDNN_VERSION,
+    enabled: frozenset[str] | None = None,
 ) -> str:
-    """The backend ``select_sdp_backend`` picks with the default flags and order.
+    """The backend ``select_sdp_backend`` picks in the default order, among the ``enabled`` backends
+    (the user's flags, ``engine.cuda_paths.sdp_enabled()``; ``None``: all, the defaults).
 
-    Returns ``"flash"``, ``"efficient"``, ``"cudnn"`` or ``"math"``.
+    Returns ``"flash"``, ``"efficient"``, ``"cudnn"`` or ``"math"`` (math too where the flags leave
+    nothing that can run, where CUDA raises "No available kernel").
 
     ``capability`` is the GPU's ``(major, minor)`` compute capability; ``None`` (unknown) assumes sm80, an
     A100 (:data:`ASSUMED_CAPABILITY`). ``cudnn_version`` is the runtime cuDNN as
     ``torch.backends.cudnn.version()`` reports it (9.24.0 is ``92400``).
+
+    >>> call = AttentionCall(batch=4, heads=4, q_len=512, kv_len=512, head_dim=64, value_head_dim=64,
+    ...                      dtype=torch.float32, has_mask=False, dropout=False, is_causal=True,
+    ...                      requires_grad=True)
+    >>> cuda_backend(call, (8, 0)), cuda_backend(call, (8, 0), enabled=frozenset({"flash", "math"}))
+    ('efficient', 'math')
     """
+    allowed = BACKENDS if enabled is None else enabled
     cap = ASSUMED_CAPABILITY if capability is None else capability
     if prefers_cudnn(cap, cudnn_version):
         order: tuple[str, ...] = ("cudnn", "flash", "efficient", "math")
     else:
         order = ("flash", "efficient", "math", "cudnn")  # Context.h's default sdp_priority_order
     for backend in order:
+        if backend not in allowed:
+            continue
         if backend == "math":
             return "math"  # userEnabledMathSDP() is true by default
         if backend == "flash" and _can_use_flash(call, cap):
@@ -259,7 +272,7 @@ def cuda_backend(
             return "efficient"
         if backend == "cudnn" and _can_use_cudnn(call, cap, cudnn_version):
             return "cudnn"
-    raise AssertionError("unreachable: math ends every order")
+    return "math"
 
 
 def saved_bytes(call: AttentionCall, backend: str) -> int:
@@ -316,7 +329,8 @@ def cuda_what_if_memory(call: OpCall, capability: Capability) -> KernelMemory | 
     if call.op != CPU_ATTENTION:
         return None
     q, k, v = call.args[:3]
-    dropout_p = float(call.arg("dropout_p", 0.0))
+    # (the what-if's CPU kernel ran without dropout: its probability and the flags are in the context)
+    dropout_p = float(call.noted("dropout_p", call.arg("dropout_p", 0.0)))
     attention = AttentionCall(
         batch=q.shape[0],
         heads=q.shape[1],
@@ -332,5 +346,6 @@ def cuda_what_if_memory(call: OpCall, capability: Capability) -> KernelMemory | 
         dropout_p=dropout_p,
     )
     cpu_saved = attention.batch * attention.heads * attention.q_len * _LSE_ITEMSIZE
-    extra = saved_bytes(attention, cuda_backend(attention, capability)) - cpu_saved
+    backend = cuda_backend(attention, capability, enabled=call.noted("sdp_enabled"))
+    extra = saved_bytes(attention, backend) - cpu_saved
     return KernelMemory(extra_output_bytes=(0, extra)) if extra > 0 else None
