@@ -142,6 +142,18 @@ class TimelinePoint:
 
 
 @dataclass(frozen=True)
+class PhaseMark:
+    """What a simulated step held at the end of one of its phases (``accounting.phase_marks``)."""
+
+    step: int
+    phase: Phase
+    live_bytes: int
+    """Bytes of the tensors alive (exact, as the breakdown counts them)."""
+    allocated_bytes: int | None
+    """On CUDA, the caching allocator's allocated bytes there (whole blocks); ``None`` on CPU."""
+
+
+@dataclass(frozen=True)
 class DataDependentRead:
     """A place where the step read a value of a tensor, which fake tensors do not have: answered
     exactly (``exact``: a value the simulation knows -- the batch's integer and boolean tensors and
@@ -315,6 +327,9 @@ class StepEstimate:
     real_ops: dict[str, int] | None = None
     """Ops whose fake kernel failed and that ran for real on stand-ins of their inputs, with their
     calls (``engine.real_ops``); ``None`` where none did."""
+    phase_marks: tuple[PhaseMark, ...] = ()
+    """What each simulated step held at the end of its forward, backward and optimizer step, in order
+    (the figure published "memory after forward" numbers are): see ``accounting.phase_marks``."""
 
     def __repr__(self) -> str:
         peaks = ", ".join(f"step {p.step} {p.bytes:,} B" for p in self.peaks)
@@ -395,6 +410,15 @@ class StepEstimate:
             "approximate": self.approximate,
             "loop": self.loop,
             "real_ops": self.real_ops,
+            "phase_marks": [
+                {
+                    "step": m.step,
+                    "phase": m.phase.value,
+                    "live_bytes": m.live_bytes,
+                    "allocated_bytes": m.allocated_bytes,
+                }
+                for m in self.phase_marks
+            ],
             "data_dependent": self.data_dependent_json(),
             "calibration": None
             if self.calibration is None

@@ -40,6 +40,7 @@ from lightning_memest.accounting.kernels import (
     captures_kernel,
     kernel_fn,
 )
+from lightning_memest.accounting.phase_marks import PhaseMarks
 from lightning_memest.accounting.replay import (
     ROLE_ORDER,
     CachingAllocatorReplay,
@@ -188,7 +189,8 @@ def account(
     flops = FlopObserver()
     modules = ModuleFigures(roles)
     reads = DataDependentReads()
-    walk(sim.events, *memory.observers, flops, modules, reads)
+    marks = PhaseMarks(memory.live, memory.device, sim.steps_end)
+    walk(sim.events, marks, *memory.observers, flops, modules, reads)
     live = memory.live
     peaks = tuple(_peak(p) for p in live.peaks)
     reserved: tuple[int, ...] | None = None
@@ -224,6 +226,7 @@ def account(
         reads_values=sim.value_reads > 0,
         loop=loop,
         real_ops=dict(sim.real_ops) if sim.real_ops else None,
+        phase_marks=tuple(marks.marks),
     )
 
 

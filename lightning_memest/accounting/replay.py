@@ -44,6 +44,7 @@ from lightning_memest.engine.events import (
     ModuleExit,
     OpEvent,
     Phase,
+    PhaseStart,
     Resize,
     Role,
     Tag,
@@ -80,6 +81,7 @@ class Observer:
     def on_module_exit(self, e: ModuleExit) -> None: ...
     def on_data_dependent(self, e: DataDependent) -> None: ...
     def on_mark(self, e: Mark) -> None: ...
+    def on_phase_start(self, e: PhaseStart) -> None: ...
     def finish(self) -> None:
         """Called once after the last event."""
 
@@ -94,6 +96,7 @@ _HANDLERS: dict[type, str] = {
     ModuleExit: "on_module_exit",
     DataDependent: "on_data_dependent",
     Mark: "on_mark",
+    PhaseStart: "on_phase_start",
 }
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "OpCall",
     "OpEvent",
     "Phase",
+    "PhaseStart",
     "Resize",
     "Role",
     "Tag",
@@ -258,4 +259,13 @@ class Mark:
     backward: bool
 
 
-Event = OpEvent | Alloc | Free | Resize | Tag | ModuleEnter | ModuleExit | DataDependent | Mark
+@dataclass(frozen=True, slots=True)
+class PhaseStart:
+    """Step ``step`` (0-based) enters ``phase``: where the previous phase ended, ops or none (a
+    ``zero_grad(set_to_none=True)`` runs no op but frees the gradients)."""
+
+    step: int
+    phase: Phase
+
+
+Event = OpEvent | Alloc | Free | Resize | Tag | ModuleEnter | ModuleExit | DataDependent | Mark | PhaseStart

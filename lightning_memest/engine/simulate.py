@@ -98,6 +98,9 @@ class Simulation:
     with CUDA's optimizer defaults, and the accounting treats it as CUDA (approximate)."""
     real_ops: tuple[tuple[str, int], ...] = ()
     """Ops whose fake kernel failed, run for real on stand-ins (``engine.real_ops``), with their calls."""
+    steps_end: int | None = None
+    """How many of :attr:`events` the steps made: the rest is the simulation's end freeing the fake
+    model, batch and optimizer (``None``: all of them are the steps')."""
 
     @property
     def is_cuda(self) -> bool:
@@ -221,6 +224,7 @@ def simulate(
                     current = following
                 step.run(current)
             tracker.end_step()
+            ran = len(tracker.events)
         except EstimationError:
             raise
         except Exception as exc:
@@ -246,6 +250,7 @@ def simulate(
         reads,
         what_if,
         tuple(sorted(tracker.real_ops.items())),
+        ran,
     )
 
 

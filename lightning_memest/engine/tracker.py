@@ -43,6 +43,7 @@ from lightning_memest.engine.events import (
     OpCall,
     OpEvent,
     Phase,
+    PhaseStart,
     Resize,
     Role,
     Tag,
@@ -232,6 +233,8 @@ class Tracker:
         if phase is not Phase.SETUP and step != self._open_step:
             self.end_step()
             self._open_step, self._step_start, self._step_ran_op = step, len(self.events), False
+        if (phase, step) != (self.phase, self.step):
+            self.events.append(PhaseStart(step, phase))
         self.phase = phase
         self.step = step
         if phase is Phase.BACKWARD:
