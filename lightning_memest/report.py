@@ -312,6 +312,10 @@ class StepEstimate:
     cuda_context_bytes: int | None = None
     """On CUDA, the CUDA context outside the caching allocator (measured on a GPU, assumed in a
     what-if; see ``accounting.cuda_device``); ``None`` on CPU."""
+    cuda_context_assumed: bool | None = None
+    """On CUDA, whether :attr:`cuda_context_bytes` is an assumption (a what-if, where no GPU measured it
+    and the user gave none: ``CudaDevice(context_bytes=..., context_given=True)``, ``memest
+    --cuda-context``); ``None`` on CPU."""
     calibration: CalibrationSummary | None = None
     """What calibrating the kernels on this machine took; ``None`` when not calibrated."""
     kernel_sources: tuple[KernelSource, ...] | None = None
@@ -330,6 +334,10 @@ class StepEstimate:
     phase_marks: tuple[PhaseMark, ...] = ()
     """What each simulated step held at the end of its forward, backward and optimizer step, in order
     (the figure published "memory after forward" numbers are): see ``accounting.phase_marks``."""
+    replayed_blocks: dict[str, int] | None = None
+    """Per group of repeated blocks (its container's path), how many blocks of each step were replayed
+    from the events of alike blocks rather than run (``estimate_step(replay_blocks=True)``,
+    ``engine.block_replay``); ``None`` where none were (replay off, or a check failed)."""
 
     def __repr__(self) -> str:
         peaks = ", ".join(f"step {p.step} {p.bytes:,} B" for p in self.peaks)
@@ -352,6 +360,12 @@ class StepEstimate:
         ]
         if self.flops is not None:
             lines.append(f"  FLOPs: {self.flops}")
+        if self.device_bytes is not None and self.reserved_bytes is not None:
+            context = format_bytes(self.cuda_context_bytes or 0)
+            said = " (assumed: no GPU measured it)" if self.cuda_context_assumed else ""
+            reserved = format_bytes(max(self.reserved_bytes))
+            total = format_bytes(self.device_bytes)
+            lines.append(f"  device: {total} = reserved {reserved} + CUDA context {context}{said}")
         if self.data_dependent:
             assumed = sum(r.count for r in self.assumed_reads)
             exact = sum(r.count for r in self.data_dependent) - assumed
@@ -397,6 +411,7 @@ class StepEstimate:
                 else {"first_step": self.reserved_bytes[0], "steady_state": self.reserved_bytes[-1]}
             ),
             "cuda_context_bytes": self.cuda_context_bytes,
+            "context_bytes_assumed": self.cuda_context_assumed,
             "breakdown_bytes": dict(self.steady_state.breakdown.items()),
             "flops": None
             if self.flops is None
@@ -410,6 +425,7 @@ class StepEstimate:
             "approximate": self.approximate,
             "loop": self.loop,
             "real_ops": self.real_ops,
+            "replayed_blocks": self.replayed_blocks,
             "phase_marks": [
                 {
                     "step": m.step,

@@ -766,3 +766,19 @@ def test_plan_prints_the_plan_and_its_json_holds_every_figure(capsys: pytest.Cap
     code, out, err = run(capsys, "plan", *_PLANNED, "--budget", "1MiB")
     assert code == 0 and "no checkpointing of these modules fits" in err
     assert "nothing fits: every candidate checkpointed in full peaks at" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU here measures the context")
+def test_a_what_ifs_cuda_context_is_said_to_be_assumed_unless_given(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "estimate", *MLP, "--device", "cuda")
+    assert code == 0, err
+    assert re.search(r"^  CUDA context \(assumed\) +512\.00 MiB", out, re.M), out
+    assert "--cuda-context SIZE sets it" in out
+    data = run_json(capsys, "estimate", *MLP, "--device", "cuda")
+    assert (data["cuda_context_bytes"], data["context_bytes_assumed"]) == (512 * 2**20, True)
+    given = run_json(capsys, "estimate", *MLP, "--device", "cuda", "--cuda-context", "1.5GiB")
+    assert (given["cuda_context_bytes"], given["context_bytes_assumed"]) == (3 * 2**29, False)
+    assert given["peak_bytes"] == data["peak_bytes"]
+    code, out, err = run(capsys, "estimate", *MLP, "--device", "cuda", "--cuda-context", "1.5GiB")
+    assert "(assumed)" not in out and re.search(r"^  CUDA context +1\.50 GiB", out, re.M), out
+    assert run_json(capsys, "estimate", *MLP)["context_bytes_assumed"] is None  # (CPU)

@@ -195,6 +195,7 @@ def account(
     peaks = tuple(_peak(p) for p in live.peaks)
     reserved: tuple[int, ...] | None = None
     context: int | None = None
+    assumed: bool | None = None
     if memory.device is not None and memory.gpu is not None:
         # What torch.cuda.max_memory_allocated/reserved count; the breakdown stays in exact bytes.
         device_peaks = memory.device.peaks
@@ -203,6 +204,7 @@ def account(
         )
         reserved = device_peaks.reserved
         context = memory.gpu.context_bytes
+        assumed = memory.gpu.context_assumed
     return StepEstimate(
         device="cuda" if sim.what_if == "cuda" else str(sim.device),
         precision=sim.precision,
@@ -220,6 +222,7 @@ def account(
         estimate_seconds=sim.seconds + (calibration.seconds if calibration is not None else 0.0),
         approximate=sim.what_if is not None,
         cuda_context_bytes=context,
+        cuda_context_assumed=assumed,
         calibration=calibration.summary() if calibration is not None else None,
         kernel_sources=memory.kernels.sources() if isinstance(memory.kernels, CalibratedKernels) else None,
         batch_shapes=sim.batch_shapes,
@@ -227,6 +230,7 @@ def account(
         loop=loop,
         real_ops=dict(sim.real_ops) if sim.real_ops else None,
         phase_marks=tuple(marks.marks),
+        replayed_blocks=dict(sim.replayed_blocks) if sim.replayed_blocks else None,
     )
 
 

@@ -77,6 +77,15 @@ class CudaDevice:
     total_bytes: int | None = None
     context_bytes: int = DEFAULT_CONTEXT_BYTES
     context_measured: bool = False
+    """Whether ``context_bytes`` was measured on this GPU (:meth:`local`)."""
+    context_given: bool = False
+    """Whether ``context_bytes`` is the user's figure (``memest --cuda-context``)."""
+
+    @property
+    def context_assumed(self) -> bool:
+        """Whether ``context_bytes`` is :data:`DEFAULT_CONTEXT_BYTES`'s assumption: neither measured on
+        the GPU nor given."""
+        return not (self.context_measured or self.context_given)
 
     @staticmethod
     def local(device: torch.device) -> CudaDevice:

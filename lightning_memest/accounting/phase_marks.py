@@ -12,7 +12,8 @@ what the caching allocator holds in whole blocks (``allocated_bytes``, what
 Example:
     >>> import torch
     >>> from lightning_memest import estimate_step
-    >>> est = estimate_step(torch.nn.Linear(256, 256), torch.randn(64, 256), optimizer=torch.optim.Adam, steps=1)
+    >>> linear, batch = torch.nn.Linear(256, 256), torch.randn(64, 256)
+    >>> est = estimate_step(linear, batch, optimizer=torch.optim.Adam, steps=1)
     >>> [(m.step, m.phase.value) for m in est.phase_marks]
     [(1, 'forward'), (1, 'backward'), (1, 'optimizer')]
     >>> est.phase_marks[1].live_bytes - est.phase_marks[0].live_bytes  # the gradients

@@ -102,9 +102,12 @@ def _peak_rows(loop: str, peaks: Sequence[int], reserved: Sequence[int] | None) 
 def _print_estimate(est: StepEstimate, out: TextIO) -> None:
     rows = _peak_rows(est.loop, [p.bytes for p in est.peaks], est.reserved_bytes)
     if est.cuda_context_bytes is not None and est.device_bytes is not None:
-        rows += [("CUDA context", est.cuda_context_bytes), ("device (reserved+context)", est.device_bytes)]
+        context = "CUDA context (assumed)" if est.cuda_context_assumed else "CUDA context"
+        rows += [(context, est.cuda_context_bytes), ("device (reserved+context)", est.device_bytes)]
     for label, n in rows:
         print(f"  {label:<26}{format_bytes(n):>12}  ({n:,} B)", file=out)
+    if est.cuda_context_assumed:
+        print("  (no GPU measured the context here: --cuda-context SIZE sets it)", file=out)
     peak = est.steady_state
     where = f"{peak.op} in {peak.module or '(root)'}, {peak.phase.value}"
     print(f"\n  at the {'steady-state ' if est.loop == 'train' else ''}peak ({where}):", file=out)

@@ -371,6 +371,15 @@ def _add_gpu_flags(p: argparse.ArgumentParser, memory: bool) -> None:
         help="the GPU's compute capability, for a what-if without one (9.0: H100/H200, 8.0: A100); it "
         "picks cuBLAS's workspace size (default: this machine's GPU, else PyTorch's pre-Hopper default)",
     )
+    g.add_argument(
+        "--cuda-context",
+        type=_size,
+        metavar="SIZE",
+        default=None,
+        help="what the CUDA context and the libraries' kernels take outside the caching allocator, as "
+        "nvidia-smi shows it beside reserved (default: measured on this machine's GPU, else assumed "
+        "512MiB and said so)",
+    )
     if memory:
         g.add_argument(
             "--gpu-memory",
@@ -383,9 +392,10 @@ def _add_gpu_flags(p: argparse.ArgumentParser, memory: bool) -> None:
 
 def _gpu(args: argparse.Namespace) -> CudaDevice | None:
     capability = getattr(args, "cuda_capability", None)
+    context = getattr(args, "cuda_context", None)
     if args.device != "cuda":
-        if capability is not None or getattr(args, "gpu_memory", None) is not None:
-            raise SpecError("--cuda-capability and --gpu-memory go with --device cuda")
+        if capability is not None or context is not None or getattr(args, "gpu_memory", None) is not None:
+            raise SpecError("--cuda-capability, --cuda-context and --gpu-memory go with --device cuda")
         return None
     import dataclasses
 
@@ -394,11 +404,14 @@ def _gpu(args: argparse.Namespace) -> CudaDevice | None:
     from lightning_memest.accounting.cuda_device import CudaDevice
 
     local = torch.cuda.is_available()
-    if capability is None:
+    if capability is None and context is None:
         return None if local else CudaDevice()
-    if local:
-        return dataclasses.replace(CudaDevice.local(torch.device("cuda")), capability=capability)
-    return CudaDevice(capability=capability)
+    gpu = CudaDevice.local(torch.device("cuda")) if local else CudaDevice()
+    if capability is not None:
+        gpu = dataclasses.replace(gpu, capability=capability)
+    if context is not None:
+        gpu = dataclasses.replace(gpu, context_bytes=context, context_given=True)
+    return gpu
 
 
 #: The flags of one strategy only: given with another (or none), they would be ignored.
