@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -12,9 +14,10 @@ from torch import nn
 from lightning_memest.accounting import account, capture_filter
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.accounting.kernels.calibrate import calibrate as calibrate_kernels
+from lightning_memest.engine.block_replay import ReplayMismatch
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.inference_step import PlainLoop, loop_runner
-from lightning_memest.engine.simulate import simulate
+from lightning_memest.engine.simulate import Simulation, simulate
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
 from lightning_memest.report import StepEstimate
 
@@ -35,6 +38,7 @@ def estimate_step(
     calibrate: bool = False,
     next_batches: Sequence[Any] = (),
     loop: PlainLoop = "train",
+    replay_blocks: bool = False,
 ) -> StepEstimate:
     """Estimate the peak memory of training steps of ``model`` on ``batch``, without running them.
 
@@ -73,6 +77,11 @@ def estimate_step(
             or ``"predict"`` (the forward pass under ``torch.inference_mode``); one batch is
             simulated (``steps`` is for training), no optimizer runs, and ``StepEstimate.loop`` says
             which.
+        replay_blocks: simulate a few instances of each run of alike blocks (a decoder's layers, a
+            ViT's encoder blocks) and replay their events for the others, wherever the checks of
+            ``engine.block_replay`` find that they repeat (said in ``StepEstimate.replayed_blocks``);
+            the same figures to the byte, faster for deep models. Where a check fails after a block
+            was replayed, the step is simulated again without replay (its code runs twice).
 
     Example:
         >>> import torch
@@ -96,6 +105,7 @@ def estimate_step(
         calibrate=calibrate,
         next_batches=next_batches,
         loop=loop,
+        replay_blocks=replay_blocks,
     )
 
 
@@ -110,6 +120,7 @@ def estimate(
     calibrate: bool = False,
     next_batches: Sequence[Any] = (),
     loop: PlainLoop = "train",
+    replay_blocks: bool = False,
 ) -> StepEstimate:
     """:func:`estimate_step` for a step already described by a :class:`StepConfig` (what the CLI's cases
     and scripts hold): the simulation on fake tensors, then its accounting.
@@ -121,15 +132,27 @@ def estimate(
         True
     """
     capture = capture_filter(flops=True, calibrate=calibrate)
-    sim = simulate(
-        model,
-        batch,
-        config,
-        runner=loop_runner(loop),
-        device=device,
-        steps=steps if loop == "train" else 1,
-        capture=capture,
-        next_batches=next_batches,
-    )
+
+    def run(replay: bool) -> Simulation:
+        return simulate(
+            model,
+            batch,
+            config,
+            runner=loop_runner(loop),
+            device=device,
+            steps=steps if loop == "train" else 1,
+            capture=capture,
+            next_batches=next_batches,
+            replay_blocks=replay,
+        )
+
+    replay = replay_blocks and loop == "train" and config.strategy is None
+    start = time.perf_counter()
+    try:
+        sim = run(replay)
+    except ReplayMismatch:  # the blocks did not repeat after all: the plain simulation, timed with it
+        spent = time.perf_counter() - start
+        sim = run(False)
+        sim = dataclasses.replace(sim, seconds=sim.seconds + spent)
     calibration = calibrate_kernels(sim) if calibrate and sim.what_if is None else None
     return account(sim, gpu, calibration, loop=loop)

@@ -21,6 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_memest.batches import iter_tensors
 from lightning_memest.engine.autograd_threads import settle_device_threads
+from lightning_memest.engine.block_replay import ReplayTracker, block_replay
+from lightning_memest.engine.blocks import repeated_blocks
 from lightning_memest.engine.cuda_autocast import cuda_autocast_lists
 from lightning_memest.engine.cuda_paths import cuda_code_paths
 from lightning_memest.engine.distributed import (
@@ -101,6 +103,9 @@ class Simulation:
     steps_end: int | None = None
     """How many of :attr:`events` the steps made: the rest is the simulation's end freeing the fake
     model, batch and optimizer (``None``: all of them are the steps')."""
+    replayed_blocks: tuple[tuple[str, int], ...] = ()
+    """Per group of repeated blocks (its container's path), how many blocks of a step were replayed
+    rather than run (``engine.block_replay``); empty where none were."""
 
     @property
     def is_cuda(self) -> bool:
@@ -121,6 +126,7 @@ def simulate(
     residents: Sequence[Tensor] = (),
     kept: Sequence[tuple[Tensor, Role]] = (),
     companions: Sequence[nn.Module] = (),
+    replay_blocks: bool = False,
 ) -> Simulation:
     """Run ``steps`` training steps of ``model`` on fake tensors of ``device``; record every event.
 
@@ -145,6 +151,8 @@ def simulate(
     ``adapter.weight_averaging``): faked for the simulation as ``model`` is (and left as they were),
     in their own dtype, resident as ``Role.OTHER`` in place of their real tensors among ``residents``,
     the values of their small integer tensors known (a counter decides the first update).
+    ``replay_blocks`` replays repeated blocks where they repeat (``engine.block_replay``); where a
+    check fails after a block was replayed it raises ``ReplayMismatch``: simulate again without.
 
     Example:
         >>> import torch
@@ -158,7 +166,8 @@ def simulate(
     target, what_if = _target_device(model, device)
     start = time.perf_counter()
     modules = ModuleNode.of(model)
-    tracker = Tracker(capture=capture)
+    groups = repeated_blocks(model) if replay_blocks else []  # before any hook of ours is on it
+    tracker = ReplayTracker(capture=capture) if groups else Tracker(capture=capture)
     mode = TrackingFakeTensorMode(tracker)
     settle_device_threads(mode)  # before the mode is first entered: no idle autograd threads
     precision, strategy = config.precision, config.strategy
@@ -209,6 +218,7 @@ def simulate(
         stack.enter_context(mode)
         stack.enter_context(module_scopes(model, tracker))
         stack.enter_context(saved_tensor_tags(tracker))
+        replay = stack.enter_context(block_replay(groups, tracker)) if groups else None
         try:
             step = runner(model, config, tracker)
             if strategy is not None:
@@ -251,6 +261,7 @@ def simulate(
         what_if,
         tuple(sorted(tracker.real_ops.items())),
         ran,
+        replayed_blocks=tuple(sorted(replay.replayed.items())) if replay is not None else (),
     )
 
 

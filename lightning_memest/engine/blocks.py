@@ -1,0 +1,273 @@
+"""Repeated blocks: which modules of a model may be replayed, and the signature that proves two
+simulated instances of a block ran the same events.
+
+A *group* is a run of consecutive children of a ``ModuleList`` / ``Sequential`` that are alike before
+anything runs: the same class, the same submodule tree, the same parameter and buffer names, shapes,
+dtypes and ``requires_grad``, distinct module objects, and no hooks of the user's anywhere inside
+(replay skips running a block's children, so their hooks would not run). Whether two instances also
+*run* alike is decided from their events (:class:`BlockRecord`): the events of a forward and of its
+backward, with storage handles renamed by what they are -- the block's ``k``-th input, ``j``-th
+parameter, the gradient of its output, or the ``n``-th storage the block allocated -- and module paths
+relative to the block. Equal signatures mean: the same ops with the same calls, allocations of the
+same sizes freed at the same points, the same tags.
+
+Example:
+    >>> import torch
+    >>> layers = [torch.nn.Linear(4, 4) for _ in range(8)]
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), *layers)  # the first differs
+    >>> [(g.path, g.members[0], len(g.members)) for g in repeated_blocks(model)]
+    [('', '1', 8)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_memest.engine.events import (
+    Alloc,
+    Event,
+    Free,
+    ModuleEnter,
+    ModuleExit,
+    OpEvent,
+    Phase,
+    Tag,
+)
+
+__all__ = [
+    "MIN_BLOCKS",
+    "BlockGroup",
+    "BlockRecord",
+    "Canon",
+    "Layout",
+    "relative_path",
+    "repeated_blocks",
+]
+
+#: The fewest blocks of a group worth replaying: the first three (the outside's boundary, the template
+#: and its check) and the last two (the backward template and the boundary) run for real.
+MIN_BLOCKS = 6
+
+#: A storage handle renamed: ``("i", n)`` the ``n``-th storage the block allocated, ``("in", k)`` its
+#: ``k``-th input tensor's, ``("p", j)`` / ``("b", j)`` its parameters' and buffers', ``("go", 0)`` the
+#: gradient of its output, ``("ext", h)`` any other storage (shared by every instance, or the
+#: signatures differ).
+Canon = tuple[str, int]
+
+#: What a tensor must be for a stand-in to make it: shape, stride, storage offset, dtype, the storage's
+#: bytes, ``requires_grad``.
+Layout = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype, int, bool]
+
+
+def layout_of(t: Tensor) -> Layout:
+    return (
+        tuple(t.shape),
+        tuple(t.stride()),
+        int(t.storage_offset()),
+        t.dtype,
+        t.untyped_storage().nbytes(),
+        t.requires_grad,
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class BlockGroup:
+    """Consecutive alike children of one container: ``path`` the container's, ``members`` theirs."""
+
+    path: str
+    members: tuple[str, ...]
+    modules: tuple[nn.Module, ...]
+
+
+def repeated_blocks(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> list[BlockGroup]:
+    """The groups of alike consecutive blocks in ``model`` (outermost first; none inside another)."""
+    if _global_hooks():
+        return []  # a global hook is user code that would run on each child of a real block
+    groups: list[BlockGroup] = []
+    taken: list[str] = []
+    for path, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        if any(path == t or path.startswith(t + ".") for t in taken):
+            continue
+        children = list(container.named_children())
+        run: list[tuple[str, nn.Module]] = []
+        key: Any = None
+        for name, child in [*children, ("", None)]:
+            k = _structure(child) if child is not None else None
+            if k is not None and k == key and all(child is not m for _, m in run):
+                run.append((name, child))  # type: ignore[arg-type]
+                continue
+            if len(run) >= min_blocks:
+                members = tuple(f"{path}.{n}" if path else n for n, _ in run)
+                groups.append(BlockGroup(path, members, tuple(m for _, m in run)))
+                taken.extend(members)
+            run = [(name, child)] if child is not None and k is not None else []
+            key = k
+    return groups
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as m
+
+    return bool(
+        m._global_forward_hooks
+        or m._global_forward_pre_hooks
+        or m._global_backward_hooks
+        or m._global_backward_pre_hooks
+    )
+
+
+def _structure(block: nn.Module) -> Any:
+    """What makes two blocks alike before running them; ``None`` for a block that cannot be replayed
+    (hooks of the user's inside it, on a module or a parameter)."""
+    modules = list(block.named_modules())
+    for _, m in modules:
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            return None
+    params = list(block.named_parameters())
+    for _, p in params:
+        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+            return None
+    return (
+        tuple((name, type(m)) for name, m in modules),
+        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in params),
+        tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()),
+    )
+
+
+def relative_path(path: str, block: str) -> str | None:
+    """``path`` relative to the block at ``block`` (``"@"`` the block, ``"@.x"`` a descendant);
+    ``None`` for a module outside it."""
+    if path == block:
+        return "@"
+    if path.startswith(block + "."):
+        return "@" + path[len(block) :]
+    return None
+
+
+@dataclass
+class BlockRecord:
+    """One really simulated call of a block: its forward's events and its backward's, with what it took
+    and gave; :meth:`signature` renames them (see the module's docstring)."""
+
+    path: str
+    inputs: tuple[int | None, ...]
+    """The storage handle of each input tensor (``None`` untracked or not a tensor)."""
+    input_key: Any
+    """The inputs' structure, layouts and non-tensor values: what a stand-in's call must match."""
+    params: tuple[int | None, ...]
+    buffers: tuple[int | None, ...]
+    forward: list[Event]
+    outputs: tuple[int, ...] = ()
+    output_layouts: tuple[Layout, ...] = ()
+    output_spec: Any = None
+    """The outputs' structure (as text) and their non-tensor values, compared."""
+    output_treespec: Any = None
+    output_slots: tuple[int, ...] = ()
+    """Where the tensors are among the outputs' leaves."""
+    backward: list[Event] | None = None
+    backward_start: int | None = None
+    """Where in the stream the backward began (set as it begins)."""
+    grad_output: int | None = None
+    grad_input: int | None = None
+    grad_input_layout: Layout | None = None
+    param_grads: tuple[tuple[int | None, Layout | None], ...] = ()
+    failure: str | None = None
+    """Why this call cannot serve as a template (``None``: it can)."""
+    _canon: dict[int, Canon] = field(default_factory=dict)
+    _internal: list[int] = field(default_factory=list)
+
+    def fail(self, why: str) -> None:
+        if self.failure is None:
+            self.failure = why
+
+    # --- renaming ----------------------------------------------------------------------------------
+    def canon(self, handle: int) -> Canon:
+        """The renamed handle (a storage first seen allocated here becomes internal)."""
+        c = self._canon.get(handle)
+        if c is None:
+            c = self._external(handle)
+            self._canon[handle] = c
+        return c
+
+    def _external(self, handle: int) -> Canon:
+        for kind, handles in (("in", self.inputs), ("p", self.params), ("b", self.buffers)):
+            for k, h in enumerate(handles):
+                if h == handle:
+                    return (kind, k)
+        if handle == self.grad_output:
+            return ("go", 0)
+        return ("ext", handle)
+
+    def internal_handle(self, n: int) -> int:
+        """The real handle of the ``n``-th storage this call allocated."""
+        return self._internal[n]
+
+    def _events(self, events: Sequence[Event], phase: Phase) -> Iterator[tuple[Any, ...]]:
+        for e in events:
+            kind = type(e)
+            if kind is OpEvent:
+                assert isinstance(e, OpEvent)
+                if e.phase is not phase or e.workspace:
+                    self.fail(f"{e.op} in {e.phase.value} or run for real")
+                outs = None if e.outputs is None else tuple(self._out(h) for h in e.outputs)
+                yield ("op", e.op, self._rel(e.module), e.call, outs, e.numel)
+            elif kind is Alloc:
+                assert isinstance(e, Alloc)
+                if e.resident:
+                    self.fail("a resident allocated inside a block")
+                yield ("alloc", self.canon(e.storage), e.nbytes)
+            elif kind is Free:
+                assert isinstance(e, Free)
+                yield ("free", self.canon(e.storage))
+            elif kind is Tag:
+                assert isinstance(e, Tag)
+                yield ("tag", self.canon(e.storage), e.role, self._rel(e.module))
+            elif kind is ModuleEnter or kind is ModuleExit:
+                assert isinstance(e, (ModuleEnter, ModuleExit))
+                outs = tuple(self.canon(h) for h in e.outputs) if isinstance(e, ModuleExit) else ()
+                yield ("enter" if kind is ModuleEnter else "exit", self._rel(e.path), e.phase, outs)
+            else:  # reads of values, resizes, marks: not replayed
+                self.fail(f"a {kind.__name__} event inside a block")
+                yield ("other",)
+
+    def _out(self, handle: int) -> Canon | None:
+        return None if handle < 0 else self.canon(handle)
+
+    def _rel(self, path: str) -> str:
+        rel = relative_path(path, self.path)
+        return path if rel is None else rel
+
+    def signature(self) -> tuple[Any, ...]:
+        """The renamed events of the forward and the backward (the backward's once recorded), the
+        outputs, the gradients made; equal signatures: interchangeable calls."""
+        self._canon.clear()
+        self._internal.clear()
+        # Storages allocated here are named by the order of their allocations (an op's event, which
+        # may name its outputs, comes before their allocations).
+        for e in [*self.forward, *(self.backward or ())]:
+            if type(e) is Alloc:
+                assert isinstance(e, Alloc)
+                if e.storage in self._canon:  # handles are never reused
+                    self.fail("a storage allocated twice")
+                self._canon[e.storage] = ("i", len(self._internal))
+                self._internal.append(e.storage)
+        forward = tuple(self._events(self.forward, Phase.FORWARD))
+        outputs = tuple(self.canon(h) for h in self.outputs)
+        backward: tuple[Any, ...] | None = None
+        grads: tuple[Any, ...] = ()
+        if self.backward is not None:
+            backward = tuple(self._events(self.backward, Phase.BACKWARD))
+            gi = None if self.grad_input is None else self.canon(self.grad_input)
+            grads = (
+                gi,
+                self.grad_input_layout,
+                tuple((None if h is None else self.canon(h), lay) for h, lay in self.param_grads),
+            )
+        return (self.input_key, forward, outputs, self.output_layouts, self.output_spec, backward, grads)

@@ -1,0 +1,86 @@
+"""The tracker of a simulation with replayed blocks (``engine.block_replay``): stand-ins name, bind and
+forget storages through it, and the storages a stand-in copied from a template's die when the
+template's do.
+
+Example:
+    >>> tracker = ReplayTracker()
+    >>> tracker.new_handle(), tracker.new_handle()
+    (0, 1)
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+from lightning_memest.engine.events import Free
+from lightning_memest.engine.tracker import Tracker
+from lightning_memest.errors import EstimationError
+
+__all__ = ["ReplayMismatch", "ReplayTracker"]
+
+
+class ReplayMismatch(EstimationError):
+    """A replayed step turned out not to repeat (a check after a stand-in ran failed): simulate it again
+    without replay."""
+
+
+class ReplayTracker(Tracker):
+    """A :class:`Tracker` that lets stand-ins name, bind and forget storages, and frees the storages a
+    stand-in copied from a template's when the template's die."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.links: dict[int, list[int]] = {}  # a template's real handle -> stand-ins' copies
+        self.linked: set[int] = set()  # copies still waiting for their template's storage to die
+        self.freed: set[int] = set()  # real handles that died (for links made after)
+        self.on_step_end: Callable[[], None] | None = None
+
+    def _free_callback(self, key: int, handle: int) -> Callable[[object], None]:
+        def on_free(_: object) -> None:
+            if self._handles.get(key) == handle:
+                del self._handles[key], self._sizes[key], self._refs[key]
+                self.events.append(Free(handle))
+                self.freed.add(handle)
+                for copy in self.links.pop(handle, ()):
+                    if copy in self.linked:
+                        self.linked.discard(copy)
+                        self.events.append(Free(copy))
+
+        return on_free
+
+    def new_handle(self) -> int:
+        handle = self._next_handle
+        self._next_handle += 1
+        return handle
+
+    def bind(self, t: Tensor, handle: int) -> int:
+        """``t``'s storage (made by a stand-in, untracked) is the one ``handle`` names; its key."""
+        storage = t.untyped_storage()
+        key: int = storage._cdata
+        self._handles[key] = handle
+        self._sizes[key] = storage.nbytes()
+        self._refs[key] = weakref.ref(storage, self._free_callback(key, handle))
+        return key
+
+    def forget(self, key: int, handle: int) -> None:
+        """The storage's free was replayed: its real death records nothing more."""
+        if self._handles.get(key) == handle:
+            del self._handles[key], self._sizes[key], self._refs[key]
+            self.freed.add(handle)
+
+    def link(self, template: int, copy: int) -> bool:
+        """``copy`` dies with the template's storage ``template``; ``False`` if that died already."""
+        if template in self.freed:
+            return False
+        self.links.setdefault(template, []).append(copy)
+        self.linked.add(copy)
+        return True
+
+    def end_step(self) -> None:
+        super().end_step()
+        if self.on_step_end is not None:
+            self.on_step_end()
