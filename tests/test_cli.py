@@ -769,7 +769,9 @@ def test_plan_prints_the_plan_and_its_json_holds_every_figure(capsys: pytest.Cap
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU here measures the context")
-def test_a_what_ifs_cuda_context_is_said_to_be_assumed_unless_given(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_what_ifs_cuda_context_is_said_to_be_assumed_unless_given(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     code, out, err = run(capsys, "estimate", *MLP, "--device", "cuda")
     assert code == 0, err
     assert re.search(r"^  CUDA context \(assumed\) +512\.00 MiB", out, re.M), out

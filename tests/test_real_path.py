@@ -249,4 +249,7 @@ def test_the_report_lists_which_reads_were_exact_and_which_assumed() -> None:
     text = str(est)
     assert "read tensor values 2 time(s): 1 exact (known values), 1 assumed" in text
     json_reads = est.to_json()["data_dependent"]
-    assert sorted((r["exact"], r["assumed"]) for r in json_reads) == [(False, "0.0"), (True, "its real value")]
+    assert sorted((r["exact"], r["assumed"]) for r in json_reads) == [
+        (False, "0.0"),
+        (True, "its real value"),
+    ]

@@ -66,7 +66,10 @@ def test_sparse_gradients_and_optimizers_are_estimated_within_1_percent(optimize
     opt = OPTIMIZERS[optimizer]
     est = estimate_step(model, batch, loss_fn=_loss, optimizer=opt)
     real = measure_step(copy.deepcopy(model), batch, StepConfig(loss_fn=_loss, optimizer=opt))
-    for estimated, measured in ((est.first_step.bytes, real.first_step), (est.steady_state.bytes, real.steady_state)):
+    for estimated, measured in (
+        (est.first_step.bytes, real.first_step),
+        (est.steady_state.bytes, real.steady_state),
+    ):
         assert abs(estimated - measured) <= 0.01 * measured, (estimated, measured)
     # The ids are the batch's: coalescing the gradient counts its distinct rows exactly.
     reads = [r for r in est.data_dependent or () if r.op == "aten._coalesce.default"]
