@@ -11,7 +11,9 @@ on a machine without a GPU), the estimate on fake CUDA tensors (the GPU's own di
 ``max_memory_allocated`` of each step (``measure_step``), with the what-if's error against the
 measurement. Cases: an MLP with ``nn.Dropout(0.1)`` in float32; transformers' GPT-2 (4 layers, eager
 attention, dropout 0.1); an attention block in float16 with the default flags, with flash turned off,
-and with only math.
+and with only math. Then the phase marks (``StepEstimate.phase_marks``): ``memory_allocated()`` after
+the forward, the backward and the optimizer step of a real first step of the MLP, against the marks'
+``allocated_bytes`` of the GPU estimate and of the what-if.
 """
 
 from __future__ import annotations
@@ -131,6 +133,39 @@ def run(name: str, build: Callable[[], Any], flags: dict[str, bool]) -> dict[str
     }
 
 
+def phase_marks() -> dict[str, Any]:
+    """The MLP's first step run by hand on the GPU, ``memory_allocated()`` between its phases."""
+    torch.manual_seed(0)
+    model, batch = DropoutMLP(), torch.randn(256, 1024)
+
+    def loss_fn(m: nn.Module, b: Tensor) -> Tensor:
+        return m(b).pow(2).mean()
+
+    os.environ["MEMEST_CUDA_WHAT_IF"] = "1"
+    try:
+        what_if = estimate_step(
+            model, batch, loss_fn=loss_fn, optimizer=torch.optim.AdamW, device="cuda", steps=1
+        )
+    finally:
+        del os.environ["MEMEST_CUDA_WHAT_IF"]
+    gpu = estimate_step(model, batch, loss_fn=loss_fn, optimizer=torch.optim.AdamW, device="cuda", steps=1)
+    real_model, real_batch = copy.deepcopy(model).cuda(), batch.cuda()
+    opt = torch.optim.AdamW(real_model.parameters())
+    measured = []
+    loss = loss_fn(real_model, real_batch)
+    measured.append(torch.cuda.memory_allocated())
+    loss.backward()
+    measured.append(torch.cuda.memory_allocated())
+    opt.step()
+    measured.append(torch.cuda.memory_allocated())
+    return {
+        "case": "phase_marks_mlp",
+        "measured": measured,
+        "what_if": [m.allocated_bytes for m in what_if.phase_marks],
+        "gpu_estimate": [m.allocated_bytes for m in gpu.phase_marks],
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="one JSON object per case instead of a table")
@@ -156,6 +191,15 @@ def main() -> int:
                 f"| {row['gpu_estimate_error_pct']} |",
                 flush=True,
             )
+    try:
+        marks = phase_marks()
+    except Exception as e:
+        marks = {"case": "phase_marks_mlp", "error": f"{type(e).__name__}: {e}"}
+    print(
+        json.dumps(marks)
+        if args.json
+        else f"\nphase marks (allocated after forward, backward, optimizer): {marks}"
+    )
     return 0
 
 
