@@ -189,7 +189,7 @@ def account(
     flops = FlopObserver()
     modules = ModuleFigures(roles)
     reads = DataDependentReads()
-    marks = PhaseMarks(memory.live, memory.device, sim.steps_end)
+    marks = PhaseMarks(memory.live, memory.device)
     walk(sim.events, marks, *memory.observers, flops, modules, reads)
     live = memory.live
     peaks = tuple(_peak(p) for p in live.peaks)

@@ -3,11 +3,11 @@ the figure a published "memory after forward" is, and what a reader holds the es
 
 A phase ends where the next one starts (``PhaseStart`` events: the frees between them -- a
 ``training_step``'s locals -- have happened by then; ``zero_grad(set_to_none=True)`` frees the
-gradients after the optimizer's mark), a last one where the steps' events end (before the simulation
-frees its fake model, ``Simulation.steps_end``). Two figures at each
-mark: the exact bytes of the tensors alive (``live_bytes``, the estimate's own accounting) and, on CUDA,
-what the caching allocator holds in whole blocks (``allocated_bytes``, what
-``torch.cuda.memory_allocated()`` would say there, the libraries' workspaces included).
+gradients after the optimizer's mark; the simulation's end, where it frees its fake model, is a
+``PhaseStart`` of the setup phase). Two figures at each mark: the exact bytes of the tensors alive
+(``live_bytes``, the estimate's own accounting) and, on CUDA, what the caching allocator holds in whole
+blocks (``allocated_bytes``, what ``torch.cuda.memory_allocated()`` would say there, the libraries'
+workspaces included).
 
 Example:
     >>> import torch
@@ -25,19 +25,7 @@ Example:
 from __future__ import annotations
 
 from lightning_memest.accounting.replay import CachingAllocatorReplay, LiveBytes, Observer
-from lightning_memest.engine.events import (
-    Alloc,
-    DataDependent,
-    Free,
-    Mark,
-    ModuleEnter,
-    ModuleExit,
-    OpEvent,
-    Phase,
-    PhaseStart,
-    Resize,
-    Tag,
-)
+from lightning_memest.engine.events import Phase, PhaseStart
 from lightning_memest.report import PhaseMark
 
 __all__ = ["PhaseMarks"]
@@ -47,25 +35,16 @@ _MARKED = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
 
 
 class PhaseMarks(Observer):
-    """Walked *before* ``live`` (and ``device``): at each event it sees what they hold after the events
-    before it, so at a phase's start what the previous phase left; ``end``: how many events the steps
-    made (``Simulation.steps_end``), where a last phase with no next ends."""
+    """Walked *before* ``live`` (and ``device``): at a phase's start it sees what they hold after the
+    events before it, what the previous phase left."""
 
-    def __init__(self, live: LiveBytes, device: CachingAllocatorReplay | None, end: int | None) -> None:
+    def __init__(self, live: LiveBytes, device: CachingAllocatorReplay | None) -> None:
         self.live = live
         self.device = device
-        self.end = end
-        self.seen = 0
         self.current: tuple[int, Phase] | None = None
         self.marks: list[PhaseMark] = []
 
-    def _event(self) -> None:
-        if self.seen == self.end:
-            self.finish()
-        self.seen += 1
-
     def on_phase_start(self, e: PhaseStart) -> None:
-        self._event()
         self._mark()
         self.current = (e.step, e.phase)
 
@@ -78,31 +57,3 @@ class PhaseMarks(Observer):
     def finish(self) -> None:
         self._mark()
         self.current = None
-
-    # (every other event only counts towards ``end``)
-    def on_op(self, e: OpEvent) -> None:
-        self._event()
-
-    def on_alloc(self, e: Alloc) -> None:
-        self._event()
-
-    def on_free(self, e: Free) -> None:
-        self._event()
-
-    def on_resize(self, e: Resize) -> None:
-        self._event()
-
-    def on_tag(self, e: Tag) -> None:
-        self._event()
-
-    def on_module_enter(self, e: ModuleEnter) -> None:
-        self._event()
-
-    def on_module_exit(self, e: ModuleExit) -> None:
-        self._event()
-
-    def on_data_dependent(self, e: DataDependent) -> None:
-        self._event()
-
-    def on_mark(self, e: Mark) -> None:
-        self._event()

@@ -31,7 +31,7 @@ from lightning_memest.engine.distributed import (
     strip_fully_shard,
     untracked_sharding_propagation,
 )
-from lightning_memest.engine.events import DataDependent, Event, OpEvent, Role
+from lightning_memest.engine.events import DataDependent, Event, OpEvent, Phase, PhaseStart, Role
 from lightning_memest.engine.fake import (
     FakeConverter,
     fake_module,
@@ -100,9 +100,6 @@ class Simulation:
     with CUDA's optimizer defaults, and the accounting treats it as CUDA (approximate)."""
     real_ops: tuple[tuple[str, int], ...] = ()
     """Ops whose fake kernel failed, run for real on stand-ins (``engine.real_ops``), with their calls."""
-    steps_end: int | None = None
-    """How many of :attr:`events` the steps made: the rest is the simulation's end freeing the fake
-    model, batch and optimizer (``None``: all of them are the steps')."""
     replayed_blocks: tuple[tuple[str, int], ...] = ()
     """Per group of repeated blocks (its container's path), how many blocks of a step were replayed
     rather than run (``engine.block_replay``); empty where none were."""
@@ -234,7 +231,8 @@ def simulate(
                     current = following
                 step.run(current)
             tracker.end_step()
-            ran = len(tracker.events)
+            # The steps' end: what follows frees the fake model, batch and optimizer (no step's memory).
+            tracker.events.append(PhaseStart(steps, Phase.SETUP))
         except EstimationError:
             raise
         except Exception as exc:
@@ -260,7 +258,6 @@ def simulate(
         reads,
         what_if,
         tuple(sorted(tracker.real_ops.items())),
-        ran,
         replayed_blocks=tuple(sorted(replay.replayed.items())) if replay is not None else (),
     )
 
