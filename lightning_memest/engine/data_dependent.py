@@ -60,13 +60,8 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves
 
 from lightning_memest.engine.assumed_values import assumed_set
-from lightning_memest.engine.nonzero_bounds import (
-    nonzero_bound,
-    selection_share,
-    set_holds,
-    set_only_zero,
-    spread_bound,
-)
+from lightning_memest.engine.nonzero_bounds import nonzero_bound, set_holds, set_only_zero, spread_bound
+from lightning_memest.engine.router_shares import selection_share
 from lightning_memest.engine.value_sets import ValueLookup, int_values, values_in
 from lightning_memest.registry import Op, OpRegistry
 

@@ -42,19 +42,9 @@ Only integer and boolean tensors carry bounds: floating point ``0 * inf`` is not
 with its storage's write generation (``engine.tensor_facts``): a write through any alias that no rule
 accounts for voids it.
 
-**A router's selections share its picks**: ``ids == 0``, ``ids == 1``, ... of positions ``ids`` that
-``topk``/``argmax``/``sort`` picked among ``m`` (a router's ``topk_ids == e`` for each expert: every
-pick names one expert; views and copies of the picks too) take the picks between them. A simulation runs one
-scenario; taking each at its own largest size (every token routed to every expert) counted a
-hand-written top-k router's expert activations ``m`` times. Each ``==`` selection of such a tensor takes
-an even share instead (what is left over the values not yet selected, at most its own bound): in a loop
-over the values the total is every element, exactly, and every expert gets tokens (and its weights
-gradients) as in a real run; the busiest expert's own transient memory is what the even share misses.
-The report says "an even share" for these reads (assumed). The sum of the shares is what the real run
-holds wherever the selections' tensors stay alive together (what each expert saves for backward).
-Selections of other unknown values keep their own bounds: torchvision's multi-scale RoI pooling
-(``torch.where(levels == level)`` per FPN level, levels from box sizes, far from even) takes each level
-at its largest.
+**A router's selections share its picks** (``engine.router_shares``): ``ids == e`` for each value
+``e`` of positions ``ids`` that ``topk``/``argmax``/``sort`` picked take an even share of the picks,
+adding up to every pick; selections of other unknown values keep their own bounds.
 
 Example:
     >>> import torch
@@ -81,6 +71,7 @@ from torch import Tensor
 from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
+from lightning_memest.engine.router_shares import file_share, is_picked, mark_picks, shared_selection
 from lightning_memest.engine.tensor_facts import fact_of, file_fact
 
 if TYPE_CHECKING:
@@ -106,43 +97,6 @@ ValuesOf = Callable[[Tensor], Tensor | None]
 
 #: The fact name of a tensor's bound (see ``engine.tensor_facts``).
 _BOUND = "_memest_nonzero"
-#: The fact name of the shares of a tensor's elements its ``==`` selections took (:func:`_selection`).
-_SELECTIONS = "_memest_selections"
-#: The fact name of a selection whose bound is such a share: of how many values.
-_SHARED = "_memest_shared"
-#: The fact name of positions picked by ``topk``/``argmax``/``sort`` (a router's choice of experts),
-#: carried through views and copies: what :func:`_selection` shares out.
-_PICKED = "_memest_picked"
-#: The ops whose position outputs are picks: which output (``None``: the only one).
-_PICKS: dict[OpOverloadPacket, int | None] = {
-    aten.topk: 1,
-    aten.sort: 1,
-    aten.max: 1,
-    aten.argmax: None,
-    aten.argsort: None,
-}
-#: Ops whose output holds their first argument's values, rearranged or copied.
-_SAME_VALUES = frozenset(
-    {
-        *(aten.view, aten._unsafe_view, aten.reshape, aten.flatten, aten.clone, aten.contiguous),
-        *(aten.t, aten.transpose, aten.permute, aten.squeeze, aten.unsqueeze, aten.select, aten.slice),
-        *(aten._to_copy, aten.alias, aten.detach),
-    }
-)
-
-
-def _mark_picks(func: OpOverload, args: Sequence[Any], out: Any) -> None:
-    """File :data:`_PICKED` on a pick's positions, and on what keeps a marked tensor's values."""
-    packet = func.overloadpacket
-    if packet in _PICKS:
-        which = _PICKS[packet]
-        picked = out if which is None else (out[which] if isinstance(out, (tuple, list)) else None)
-        if isinstance(picked, Tensor) and not picked.is_floating_point():
-            file_fact(picked, _PICKED, True)
-    elif packet in _SAME_VALUES and isinstance(out, Tensor) and args and isinstance(args[0], Tensor):
-        same = out.dtype == args[0].dtype
-        if same and fact_of(args[0], _PICKED) is not None:
-            file_fact(out, _PICKED, True)
 
 
 def nonzero_bound(t: Tensor, read: ValueLookup, values: ValuesOf | None = None) -> int:
@@ -220,7 +174,7 @@ def carried_bounds(
 ) -> list[tuple[Tensor, int]]:
     """The bounds ``func``'s integer and boolean outputs get, from its arguments' (see the module
     docstring); computed before anything is filed, so an in-place op reads its input's old bound."""
-    _mark_picks(func, args, out)
+    mark_picks(func, args, out)
     outs = _outputs(out)
     if not outs:
         return []
@@ -244,8 +198,7 @@ def carried_bounds(
             bound = None
         if bound is not None:
             found.append((o, min(bound, o.numel())))
-            if isinstance(bound, _Share):
-                file_fact(o, _SHARED, bound.values)
+            file_share(o, bound)
     return found
 
 
@@ -537,47 +490,10 @@ def _compare(op: _Op, n: int) -> int | None:
     with unset_fake_temporarily():
         zero_passes = bool(compare(torch.zeros((), dtype=a.dtype), other))
     cap = n if zero_passes else op.spread(a, n)
-    picked = fact_of(a, _PICKED) is not None
+    picked = is_picked(a)
     if name == "eq" and picked and possible is not None and possible.numel() > 1 and n == a.numel():
-        return _selection(a, other, possible.numel(), cap)
+        return shared_selection(a, other, possible.numel(), cap)
     return None if zero_passes else cap
-
-
-class _Share(int):
-    """A bound that is an even share of ``values`` disjoint selections (:func:`_selection`)."""
-
-    values: int
-
-
-def selection_share(t: Tensor) -> int | None:
-    """Of how many disjoint selections ``t``'s bound is an even share (:func:`_selection`), or ``None``
-    where it is a bound (the report says which)."""
-    shared = fact_of(t, _SHARED)
-    return int(shared) if shared is not None else None
-
-
-def _selection(t: Tensor, value: Any, values: int, cap: int) -> int:
-    """How many elements of ``t == value`` are set, where ``t`` holds one of ``values`` possible values
-    in each element: one of disjoint selections that share ``t``'s elements (a router's
-    ``topk_ids == e`` for each expert ``e``: ``t`` holds picks). The scenario the simulation runs: the
-    elements spread evenly over the values (each selection what is left over the values not yet
-    selected, at most ``cap``, the bound of one) -- so that, in a loop over every value, the total is
-    every element, exactly, and every value is selected by some (each expert trains: its weights get
-    gradients).
-    A selection's own size is the even share, not its largest (a router's busiest expert runs a little
-    more: its transient memory is that much larger). Each value's share is kept with ``t``, so selecting
-    it again gives the same."""
-    ledger: dict[Any, int] | None = fact_of(t, _SELECTIONS)
-    if ledger is None:
-        ledger = {}
-        file_fact(t, _SELECTIONS, ledger)
-    if value not in ledger:
-        left = t.numel() - sum(ledger.values())
-        unselected = values - len(ledger)  # this one among them
-        ledger[value] = max(0, min(cap, -(-left // unselected)))
-    share = _Share(ledger[value])
-    share.values = values
-    return share
 
 
 def _some_pass(name: str, values: Tensor, other: Any) -> bool:
