@@ -58,7 +58,8 @@ class MemEstimate(ModelSummary):
     batch larger than any before is estimated, and checked, before its step. The first two real batches
     are measured (CUDA: ``max_memory_allocated``/``_reserved``; CPU: the allocator's events in
     ``torch.profiler``), on CUDA every later one too (peak statistics reset at each batch's start), and
-    logged at the batch's step: ``memest/peak_MiB/{estimate,measured}``, ``memest/error_pct``,
+    logged at the batch's step: ``memest/peak_MiB/{estimate,measured}`` (the first batch's under
+    ``memest/first_step/``), ``memest/error_pct``,
     ``memest/GFLOP_per_batch/{forward,backward}`` (and ``memest/reserved_MiB/...`` on CUDA; see
     ``adapter/loggers``). It sets ``pl_module.flops_per_batch`` unless you did (``ThroughputMonitor``'s
     MFU).

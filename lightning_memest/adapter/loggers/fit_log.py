@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 from lightning_memest.adapter.loggers import log_figures, log_hparams, log_scalars
 from lightning_memest.adapter.loggers.scalars import (
     estimate_scalars,
+    first_step,
     lightning_logs_now,
     logging_step,
     measured_scalars,
@@ -47,10 +48,10 @@ class FitLog:
     def estimate(trainer: pl.Trainer, estimate: StepEstimate, index: int) -> None:
         """The estimate of the batch about to run (its step ``index``: the first, else the steady
         state), at Lightning's step."""
-        index = min(index, len(estimate.peaks) - 1)
+        first, index = index == 0, min(index, len(estimate.peaks) - 1)
         reserved = None if estimate.reserved_bytes is None else estimate.reserved_bytes[index]
         scalars = estimate_scalars(estimate.peaks[index].bytes, reserved, estimate.flops)
-        log_scalars(trainer.loggers, scalars, logging_step(trainer))
+        log_scalars(trainer.loggers, first_step(scalars) if first else scalars, logging_step(trainer))
 
     def figures(
         self, trainer: pl.Trainer, estimate: StepEstimate | None, measured: Sequence[MeasuredStep] | None
@@ -71,6 +72,8 @@ class FitLog:
         scalars = measured_scalars(
             measured.peak_bytes, measured.reserved_bytes, measured.estimated_bytes, reserved, flops
         )
+        if measured.step == 1:
+            scalars = first_step(scalars)
         log_scalars(trainer.loggers, scalars, self.measured_at[measured.step - 1])
 
     @staticmethod

@@ -6,7 +6,10 @@ logger keeps them as two series: the estimate of a batch is logged at each step 
 a flat reference line beside the measured one.
 
 Each batch's figures go at the step Lightning logs that batch's own ``self.log`` metrics at, so a
-peak lines up with the loss of the same batch.
+peak lines up with the loss of the same batch. The first batch's peaks have tags of their own
+(``memest/first_step/...``, :func:`first_step`): its peak holds what only the first step makes (an
+optimizer's state as it is created), and on one chart with the steady state the two would be one
+series, which a chart's smoothing (TensorBoard's default 0.6) averages into a value neither has.
 
 Example:
     >>> estimate_scalars(300 * 2**20)
@@ -28,12 +31,14 @@ from lightning_memest.report import FlopCount
 __all__ = [
     "BACKWARD_GFLOP",
     "ERROR_PCT",
+    "FIRST_STEP",
     "FORWARD_GFLOP",
     "PEAK_ESTIMATE",
     "PEAK_MEASURED",
     "RESERVED_ESTIMATE",
     "RESERVED_MEASURED",
     "estimate_scalars",
+    "first_step",
     "hparams_metrics",
     "in_loop",
     "lightning_logs_now",
@@ -47,6 +52,8 @@ PEAK_MEASURED: Final = "memest/peak_MiB/measured"
 #: CUDA only: what the caching allocator holds (``max_memory_reserved``).
 RESERVED_ESTIMATE: Final = "memest/reserved_MiB/estimate"
 RESERVED_MEASURED: Final = "memest/reserved_MiB/measured"
+FIRST_STEP: Final = "memest/first_step/"
+"""The prefix of the first batch's peak tags (:func:`first_step`)."""
 ERROR_PCT: Final = "memest/error_pct"
 """``(estimate - measured) / measured`` of the peak, in percent."""
 FORWARD_GFLOP: Final = "memest/GFLOP_per_batch/forward"
@@ -80,6 +87,17 @@ def measured_scalars(
         scalars[RESERVED_MEASURED] = reserved_bytes / MIB
     scalars[ERROR_PCT] = 100.0 * (estimated_bytes - peak_bytes) / peak_bytes
     return scalars
+
+
+def first_step(scalars: dict[str, float]) -> dict[str, float]:
+    """The first training batch's scalars: its peaks under ``memest/first_step/`` (the error and the
+    FLOPs keep their tags: one series over the batches).
+
+    >>> first_step(measured_scalars(200 * 2**20, None, 200 * 2**20, None))
+    {'memest/first_step/peak_MiB/estimate': 200.0, 'memest/first_step/peak_MiB/measured': 200.0, 'memest/error_pct': 0.0}
+    """  # noqa: E501
+    peaks = (PEAK_ESTIMATE, PEAK_MEASURED, RESERVED_ESTIMATE, RESERVED_MEASURED)
+    return {FIRST_STEP + t.removeprefix("memest/") if t in peaks else t: v for t, v in scalars.items()}
 
 
 def in_loop(loop: str, scalars: dict[str, float]) -> dict[str, float]:

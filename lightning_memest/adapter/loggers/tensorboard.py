@@ -80,9 +80,14 @@ def log_scalars(logger: TensorBoardLogger, scalars: Mapping[str, float], step: i
 
 
 def _chart(tag: str) -> list[Any]:
-    """A chart of one scalar; a series' tag is matched in each of its runs (a regex: the whole tag)."""
+    """A chart of one scalar and of its first step's (``memest/first_step/...``, where it has one: a
+    series of its own, drawn beside the steady state's but never smoothed into it); a series' tag is
+    matched in each of its runs (a regex: the whole tag)."""
     place = series_of(tag)
-    return ["Multiline", [f"^{place[1] if place else tag}$"]]
+    head = place[1] if place else tag
+    if head in (PEAK_ESTIMATE.rpartition("/")[0], RESERVED_ESTIMATE.rpartition("/")[0]):
+        return ["Multiline", [f"^memest/(first_step/)?{head.removeprefix('memest/')}$"]]
+    return ["Multiline", [f"^{head}$"]]
 
 
 def layout(cuda: bool) -> dict[str, dict[str, list[Any]]]:
