@@ -1,18 +1,21 @@
-"""Replay of repeated blocks (``engine.block_replay``): the replayed estimate equals the full
-simulation's to the byte -- peaks and breakdowns, per-module figures, FLOPs, the timeline, phase
-marks, the CUDA allocator's figures -- for every kind of model it applies to; where the blocks do not
-repeat, it is off, and said so."""
+"""Replay of repeated blocks (``engine.block_replay``) and of the optimizer's work on their parameters
+(``engine.optimizer_replay``): the replayed estimate equals the full simulation's to the byte -- peaks
+and breakdowns, per-module figures, FLOPs, the timeline, phase marks, the CUDA allocator's figures --
+for every kind of model and optimizer it applies to; where the blocks do not repeat, it is off, and
+said so; an optimizer it does not know runs as it always did."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from torch import Tensor, nn
 
+import lightning_memest.estimate as estimate_module
 from lightning_memest import estimate_step
 from lightning_memest.engine.blocks import repeated_blocks
 from lightning_memest.report import StepEstimate
@@ -31,9 +34,22 @@ def _same(replayed: StepEstimate, full: StepEstimate) -> None:
     assert a == b
 
 
-def _compare(model: nn.Module, batch: Any, expected: dict[str, int], **kwargs: Any) -> None:
-    replayed = estimate_step(model, batch, replay_blocks=True, **kwargs)
+def _compare(
+    model: nn.Module, batch: Any, expected: dict[str, int], updates: int | None = None, **kwargs: Any
+) -> None:
+    """Replayed and full estimates equal; ``updates``: the optimizer's parameter iterations replayed."""
+    sims: list[Any] = []
+    simulate = estimate_module.simulate
+
+    def recorded(*args: Any, **kw: Any) -> Any:
+        sims.append(simulate(*args, **kw))
+        return sims[-1]
+
+    with mock.patch.object(estimate_module, "simulate", recorded):
+        replayed = estimate_step(model, batch, replay_blocks=True, **kwargs)
     assert replayed.replayed_blocks == expected
+    if updates is not None:
+        assert sims[-1].replayed_updates == updates
     _same(replayed, estimate_step(model, batch, **kwargs))
 
 
@@ -43,15 +59,19 @@ def _hf_loss(model: nn.Module, ids: Tensor) -> Tensor:
 
 def test_tiny_gpt_adamw() -> None:
     model = TinyGPT(n_layers=8, d_model=64, n_heads=4, vocab=100, seq_len=16)
-    _compare(model, lm_batch(2, 16, vocab=100), {"blocks": 3}, loss_fn=lm_loss, optimizer=torch.optim.AdamW)
+    # 3 stand-ins x 12 parameters: the state made in step 1, the loop of the lists in both, the updates
+    _compare(
+        model, lm_batch(2, 16, vocab=100), {"blocks": 3}, 144, loss_fn=lm_loss, optimizer=torch.optim.AdamW
+    )
 
 
 def test_tiny_gpt_cuda_what_if_bf16_mixed() -> None:
-    """Through the CUDA caching allocator model (block rounding, segments): the same blocks too."""
+    """Through the CUDA caching allocator model (block rounding, segments): the same blocks too. The
+    updates are CUDA's foreach kernels, which run whole; the state's creation is replayed."""
     model = TinyGPT(n_layers=7, d_model=64, n_heads=4, vocab=100, seq_len=16)
     batch = lm_batch(2, 16, vocab=100)
     kwargs: dict[str, Any] = {"loss_fn": lm_loss, "optimizer": torch.optim.AdamW, "device": "cuda"}
-    _compare(model, batch, {"blocks": 2}, precision="bf16-mixed", **kwargs)
+    _compare(model, batch, {"blocks": 2}, 2 * 12 * 2, precision="bf16-mixed", **kwargs)
 
 
 def test_llama_decoder() -> None:
@@ -67,7 +87,7 @@ def test_llama_decoder() -> None:
     )
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 128, (2, 16))
-    _compare(model, ids, {"model.layers": 3}, loss_fn=_hf_loss, optimizer=torch.optim.AdamW)
+    _compare(model, ids, {"model.layers": 3}, 3 * 9 * 4, loss_fn=_hf_loss, optimizer=torch.optim.AdamW)
 
 
 def test_gpt2_decoder() -> None:
@@ -77,7 +97,7 @@ def test_gpt2_decoder() -> None:
     )
     model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 128, (2, 16))
-    _compare(model, ids, {"transformer.h": 1}, loss_fn=_hf_loss, optimizer=torch.optim.SGD)
+    _compare(model, ids, {"transformer.h": 1}, 12 * 2, loss_fn=_hf_loss, optimizer=torch.optim.SGD)
 
 
 def test_vit_encoder() -> None:
@@ -85,7 +105,7 @@ def test_vit_encoder() -> None:
     model = vision_transformer.VisionTransformer(
         image_size=32, patch_size=8, num_layers=7, num_heads=2, hidden_dim=32, mlp_dim=64, num_classes=10
     )
-    _compare(model, torch.randn(2, 3, 32, 32), {"encoder.layers": 2}, optimizer=torch.optim.Adam)
+    _compare(model, torch.randn(2, 3, 32, 32), {"encoder.layers": 2}, 2 * 12 * 4, optimizer=torch.optim.Adam)
 
 
 def test_resnet_stage() -> None:
@@ -93,7 +113,7 @@ def test_resnet_stage() -> None:
     first block differs (its downsampling): the run of alike blocks starts after it."""
     resnet = pytest.importorskip("torchvision.models.resnet")
     model = resnet.ResNet(resnet.BasicBlock, [1, 1, 7, 1], num_classes=10)
-    _compare(model, torch.randn(2, 3, 32, 32), {"layer3": 1}, optimizer=torch.optim.SGD)
+    _compare(model, torch.randn(2, 3, 32, 32), {"layer3": 1}, 6 * 2, optimizer=torch.optim.SGD)
 
 
 class _Scaled(nn.Module):
@@ -153,3 +173,79 @@ def test_groups_need_alike_blocks_without_hooks() -> None:
     assert repeated_blocks(hooked) == []  # 0-2 and 4-7 alike, too few on either side
     widths = nn.Sequential(*(nn.Linear(8 + i, 8 + i + 1) for i in range(8)))
     assert repeated_blocks(widths) == []
+
+
+class _Mlp(nn.Module):
+    """A block with weights, biases and a norm: parameters of three shapes, two without decay."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def _split_groups(make: Callable[..., torch.optim.Optimizer]) -> Callable[[Any], torch.optim.Optimizer]:
+    """Decay for matrices only, in two parameter groups (as LLM recipes do): each block's parameters
+    are spread over both lists."""
+
+    def build(params: Any) -> torch.optim.Optimizer:
+        params = list(params)
+        decay = [p for p in params if p.dim() >= 2]
+        rest = [p for p in params if p.dim() < 2]
+        return make([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}])
+
+    return build
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "updates"),
+    [
+        # L2 decay: the gradient plus decay is a temporary that dies in the next parameter's iteration;
+        # amsgrad: a fourth list, a fourth state tensor. 3 stand-ins x 6 parameters x (init + update) x 3.
+        (lambda ps: torch.optim.Adam(ps, weight_decay=0.1, amsgrad=True), 3 * 6 * 2 * 3),
+        (_split_groups(torch.optim.AdamW), 3 * 6 * 2 * 3),
+        # Momentum buffers are made by step 1's updates (they outlive them: that step runs whole), then
+        # updated in place: steps 2 and 3 replayed.
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-4), 3 * 6 * 2),
+        (lambda ps: torch.optim.AdamW(ps, foreach=True), 3 * 6 * 3),  # the state's creation only
+        (lambda ps: torch.optim.AdamW(ps, maximize=True), 3 * 6 * 2 * 3),
+        (torch.optim.RMSprop, 0),  # not one it knows: run as always
+    ],
+    ids=["adam-l2-amsgrad", "adamw-groups", "sgd-momentum", "adamw-foreach", "adamw-maximize", "rmsprop"],
+)
+def test_optimizer_updates(optimizer: Callable[[Any], torch.optim.Optimizer], updates: int) -> None:
+    """Three steps: the state is made in the first, read and updated in the next two."""
+    model = _stack(lambda i: _Mlp())
+    _compare(model, torch.randn(4, 16), {"": 3}, updates, optimizer=optimizer, steps=3)
+
+
+def test_optimizer_loop_run_otherwise_is_simulated_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An update function that goes over its list twice (the second time after the stand-ins were
+    replayed): the replayed run is thrown away and the steps simulated without replay."""
+    import torch.optim.adam as adam_module
+
+    single = adam_module._single_tensor_adam
+
+    def twice(params: list[Tensor], *args: Any, **kwargs: Any) -> None:
+        single(params, *args, **kwargs)
+        for p in params:
+            p.mul_(1.0)
+
+    monkeypatch.setattr(adam_module, "_single_tensor_adam", twice)
+    runs: list[bool] = []
+    simulate = estimate_module.simulate
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        runs.append(kwargs["replay_blocks"])
+        return simulate(*args, **kwargs)
+
+    monkeypatch.setattr(estimate_module, "simulate", counted)
+    model = _stack(lambda i: _Mlp())
+    est = estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.Adam, replay_blocks=True)
+    assert runs == [True, False]
+    assert est.replayed_blocks is None
+    _same(est, estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.Adam))

@@ -9,7 +9,8 @@ autograd node; its backward appends block ``N-2``'s backward events (recorded ju
 runs in reverse) and hands autograd the gradient of its input and its parameters' gradients. Storages
 that cross the block's boundary are real tensors bound to their handles, so the rest of the step --
 user code, the loss, the optimizer over every parameter, ``zero_grad`` -- runs for real and sees an
-ordinary step, and the stream is an ordinary stream: accounting never knows.
+ordinary step (torch.optim's own loops replay the stand-ins' parameters: ``engine.optimizer_replay``),
+and the stream is an ordinary stream: accounting never knows.
 
 What the block's autograd nodes saved is what keeps its inputs alive into backward: a stand-in holds
 the inputs (and outputs) its template saved until its backward. A storage the template allocated that
@@ -42,7 +43,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_memest.engine.block_templates import Template, backward_into, dense, forward_template
+from lightning_memest.engine.block_templates import (
+    Template,
+    backward_into,
+    dense,
+    fake_tensor,
+    forward_template,
+)
 from lightning_memest.engine.blocks import (
     BlockGroup,
     BlockRecord,
@@ -347,7 +354,8 @@ class BlockReplay:
                 raise ReplayMismatch(f"a parameter of block {call.block} already had a gradient")
             g = self._make(lay, p.device)
             self._bind(call, g, canon)
-            p.grad = g
+            with torch._C._DisableTorchDispatch():  # the setter's checks ask both for devices: 6 ops
+                p.grad = g
         call.keep = []
         return grad_in
 
@@ -440,8 +448,7 @@ class BlockReplay:
         shape, stride, offset, dtype, nbytes, _ = lay
         mode = self.tracker.mode
         assert isinstance(mode, TrackingFakeTensorMode)
-        with mode.untracked(), mode:  # not the step's op: the template's allocation stands for it
-            t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        t = fake_tensor(mode, shape, stride, dtype, device)  # the template's allocation stands for it
         if offset or t.untyped_storage().nbytes() != nbytes:
             raise ReplayMismatch("a stand-in cannot make a tensor of this layout")
         return t

@@ -72,6 +72,14 @@ class ReplayTracker(Tracker):
             del self._handles[key], self._sizes[key], self._refs[key]
             self.freed.add(handle)
 
+    def rehandle(self, key: int, handle: int) -> None:
+        """The live storage ``key`` is named ``handle`` from here on: its death frees that (a replayed
+        optimizer update freed its old name where the real one will free the new one's)."""
+        storage = self._refs[key]()
+        assert storage is not None
+        self._handles[key] = handle
+        self._refs[key] = weakref.ref(storage, self._free_callback(key, handle))
+
     def link(self, template: int, copy: int) -> bool:
         """``copy`` dies with the template's storage ``template``; ``False`` if that died already."""
         if template in self.freed:

@@ -40,6 +40,7 @@ from lightning_memest.engine.fake import (
     swappable_fakes,
 )
 from lightning_memest.engine.hooks import module_scopes, saved_tensor_tags, storage_resizes
+from lightning_memest.engine.optimizer_replay import optimizer_replay
 from lightning_memest.engine.real_path import real_path
 from lightning_memest.engine.step import (
     Precision,
@@ -103,6 +104,9 @@ class Simulation:
     replayed_blocks: tuple[tuple[str, int], ...] = ()
     """Per group of repeated blocks (its container's path), how many blocks of a step were replayed
     rather than run (``engine.block_replay``); empty where none were."""
+    replayed_updates: int = 0
+    """How many parameters' iterations of torch.optim's loops (state creation, update) were replayed
+    rather than run, over all steps (``engine.optimizer_replay``)."""
 
     @property
     def is_cuda(self) -> bool:
@@ -216,6 +220,7 @@ def simulate(
         stack.enter_context(module_scopes(model, tracker))
         stack.enter_context(saved_tensor_tags(tracker))
         replay = stack.enter_context(block_replay(groups, tracker)) if groups else None
+        updates = stack.enter_context(optimizer_replay(groups, tracker)) if groups else None
         try:
             step = runner(model, config, tracker)
             if strategy is not None:
@@ -259,6 +264,7 @@ def simulate(
         what_if,
         tuple(sorted(tracker.real_ops.items())),
         replayed_blocks=tuple(sorted(replay.replayed.items())) if replay is not None else (),
+        replayed_updates=updates.count if updates is not None else 0,
     )
 
 
