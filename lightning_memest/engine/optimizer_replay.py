@@ -6,9 +6,9 @@ iteration does depends only on its parameter's tensors (parameter, gradient, sta
 step counter's value) and on the hyperparameters. So for the loops of torch's own code only -- the
 state's lazy creation in ``Adam._init_group`` (Adam and AdamW) and the updates of
 ``_single_tensor_adam`` and ``_single_tensor_sgd`` -- the loop is handed its lists through a view
-(``engine.optimizer_loops.Slots``) that marks where each iteration's events begin. Where the loop reaches the first
-stand-in's parameters, the iterations of block 1's parameters (checked equal to block 2's) are
-appended once per stand-in parameter with its own handles and fresh ones for what the iteration
+(``engine.optimizer_loops.Slots``) that marks where each iteration's events begin. Where the loop
+reaches the first stand-in's parameters, the iterations of block 1's parameters (checked equal to
+block 2's) are appended once per stand-in parameter with its own handles and fresh ones for what the iteration
 allocates; the loop then goes on with block ``N-2``'s, whose events must equal block 1's again, or
 :class:`ReplayMismatch` (the caller simulates again without replay).
 
