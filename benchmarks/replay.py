@@ -10,6 +10,11 @@ depths given, with and without replay.
     python benchmarks/replay.py                    # a 32-layer 7B decoder, and the per-layer slope
     python benchmarks/replay.py --quick            # a small decoder at depths 8 and 32
     python benchmarks/replay.py --layers 32 80 --d-model 8192 --seq 1024
+    python benchmarks/replay.py --llama --layers 8 126 --d-model 16384 --heads 128 --kv-heads 8 \
+        --ffn 53248 --vocab 128256 --seq 128 --no-full    # the 405B shape (transformers' Llama)
+
+``--llama`` builds transformers' ``LlamaForCausalLM`` (grouped-query attention, SwiGLU) instead of the
+small GPT of ``tests/models.py``; ``--no-full`` skips the full simulation (minutes on the deepest).
 """
 
 from __future__ import annotations
@@ -33,7 +38,24 @@ from lightning_memest.engine.step import StepConfig, StepRunner  # noqa: E402
 from tests.models import TinyGPT, lm_loss  # noqa: E402
 
 
-def build(layers: int, d_model: int, seq: int, vocab: int) -> tuple[torch.nn.Module, Any]:
+def build(
+    layers: int, d_model: int, seq: int, vocab: int, llama: dict[str, int] | None = None
+) -> tuple[torch.nn.Module, Any]:
+    if llama is not None:
+        import transformers
+
+        config = transformers.LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=d_model,
+            intermediate_size=llama["ffn"],
+            num_hidden_layers=layers,
+            num_attention_heads=llama["heads"],
+            num_key_value_heads=llama["kv_heads"],
+            max_position_embeddings=max(seq, 128),
+        )
+        with torch.device("meta"):
+            model: torch.nn.Module = transformers.LlamaForCausalLM(config)
+        return model, torch.randint(0, vocab, (1, seq), device="meta")
     with torch.device("meta"):
         model = TinyGPT(
             n_layers=layers, d_model=d_model, n_heads=max(1, d_model // 128), vocab=vocab, seq_len=seq
@@ -42,8 +64,12 @@ def build(layers: int, d_model: int, seq: int, vocab: int) -> tuple[torch.nn.Mod
     return model, (tokens, tokens)
 
 
-def floor_seconds(model: torch.nn.Module, batch: Any) -> float:
-    runner = StepRunner(model, StepConfig(lm_loss, torch.optim.AdamW))
+def hf_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
+
+
+def floor_seconds(model: torch.nn.Module, batch: Any, loss: Any = lm_loss) -> float:
+    runner = StepRunner(model, StepConfig(loss, torch.optim.AdamW))
     runner.device_type = "cpu"
     start = time.perf_counter()
     for _ in range(2):
@@ -53,35 +79,44 @@ def floor_seconds(model: torch.nn.Module, batch: Any) -> float:
     return time.perf_counter() - start
 
 
-def run_case(layers: int, d_model: int, seq: int, vocab: int, repeats: int) -> dict[str, Any]:
-    model, batch = build(layers, d_model, seq, vocab)
+def run_case(
+    layers: int, d_model: int, seq: int, vocab: int, repeats: int, llama: dict[str, int] | None, full: bool
+) -> dict[str, Any]:
+    model, batch = build(layers, d_model, seq, vocab, llama)
+    loss = hf_loss if llama is not None else lm_loss
 
     def est(replay: bool) -> Any:
-        return estimate_step(model, batch, loss_fn=lm_loss, optimizer=torch.optim.AdamW, replay_blocks=replay)
+        return estimate_step(model, batch, loss_fn=loss, optimizer=torch.optim.AdamW, replay_blocks=replay)
 
     replayed = [est(True) for _ in range(repeats)]
-    full = [est(False) for _ in range(repeats)]
-    floors = [floor_seconds(*build(layers, d_model, seq, vocab)) for _ in range(repeats)]
-    a = dataclasses.replace(replayed[0], estimate_seconds=0.0, replayed_blocks=None)
-    b = dataclasses.replace(full[0], estimate_seconds=0.0)
-    r, f, fl = (
-        statistics.median(x)
-        for x in ([e.estimate_seconds for e in replayed], [e.estimate_seconds for e in full], floors)
-    )
-    return {
+    fulls = [est(False) for _ in range(repeats)] if full else []
+    floors = [floor_seconds(*build(layers, d_model, seq, vocab, llama), loss) for _ in range(repeats)]
+    r = statistics.median(e.estimate_seconds for e in replayed)
+    fl = statistics.median(floors)
+    row: dict[str, Any] = {
         "layers": layers,
         "d_model": d_model,
         "seq": seq,
         "params": sum(p.numel() for p in model.parameters()),
         "replay_s": r,
-        "full_s": f,
         "floor_s": fl,
         "replay_vs_floor": r / fl,
-        "full_vs_floor": f / fl,
-        "replay_vs_full": r / f,
         "replayed_blocks": replayed[0].replayed_blocks,
-        "identical": a == b,
+        "full_s": None,
+        "full_vs_floor": None,
+        "replay_vs_full": None,
+        "identical": None,
     }
+    if fulls:
+        f = statistics.median(e.estimate_seconds for e in fulls)
+        a = dataclasses.replace(replayed[0], estimate_seconds=0.0, replayed_blocks=None)
+        b = dataclasses.replace(fulls[0], estimate_seconds=0.0)
+        row.update(full_s=f, full_vs_floor=f / fl, replay_vs_full=r / f, identical=a == b)
+    return row
+
+
+def _num(x: float | None, fmt: str = ".2f") -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def main() -> None:
@@ -97,17 +132,29 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--repeats", type=int, default=1, help="runs of each, the median kept")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    parser.add_argument("--llama", action="store_true", help="transformers' Llama (GQA, SwiGLU)")
+    parser.add_argument("--heads", type=int, default=None, help="attention heads (default d_model / 128)")
+    parser.add_argument(
+        "--kv-heads", type=int, default=None, help="key/value heads (--llama; default: heads)"
+    )
+    parser.add_argument("--ffn", type=int, default=None, help="MLP width (--llama; default 4 x d_model)")
+    parser.add_argument("--no-full", action="store_true", help="skip the full simulation")
     args = parser.parse_args()
     layers = args.layers or [8, 32]
     d_model, seq = (512, 512) if args.quick else (args.d_model, args.seq)
+    llama = None
+    if args.llama:
+        heads = args.heads or max(1, d_model // 128)
+        llama = {"heads": heads, "kv_heads": args.kv_heads or heads, "ffn": args.ffn or 4 * d_model}
     estimate_step(torch.nn.Linear(4, 4), torch.randn(2, 4), replay_blocks=True)  # imports, first dispatches
-    rows = [run_case(n, d_model, seq, args.vocab, args.repeats) for n in layers]
+    rows = [run_case(n, d_model, seq, args.vocab, args.repeats, llama, not args.no_full) for n in layers]
     slope: dict[str, float] = {}
     if len(rows) >= 2:
         lo, hi = rows[0], rows[-1]
         depth = hi["layers"] - lo["layers"]
         for key in ("replay_s", "full_s", "floor_s"):
-            slope[key] = (hi[key] - lo[key]) / depth
+            if hi[key] is not None:
+                slope[key] = (hi[key] - lo[key]) / depth
     if args.json:
         print(json.dumps({"cases": rows, "per_layer_s": slope}, default=str))
         return
@@ -118,15 +165,17 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
     for r in rows:
         print(
-            f"| {r['layers']} | {r['params'] / 1e9:.2f} B | {r['replay_s']:.2f} | {r['full_s']:.2f} | "
-            f"{r['floor_s']:.2f} | {r['replay_vs_floor']:.2f} | {r['full_vs_floor']:.2f} | "
-            f"{r['replay_vs_full']:.2f} | {r['replayed_blocks']} | {r['identical']} |"
+            f"| {r['layers']} | {r['params'] / 1e9:.2f} B | {r['replay_s']:.2f} | {_num(r['full_s'])} | "
+            f"{r['floor_s']:.2f} | {r['replay_vs_floor']:.2f} | {_num(r['full_vs_floor'])} | "
+            f"{_num(r['replay_vs_full'])} | {r['replayed_blocks']} | {_num(r['identical'], '')} |"
         )
     if slope:
+        full = slope.get("full_s")
+        vs = "" if full is None else f" (replayed layer / full layer: {slope['replay_s'] / full:.2f})"
+        full_ms = _num(None if full is None else full * 1e3, ".1f")
         print(
-            f"\nper layer: replay {slope['replay_s'] * 1e3:.1f} ms, full {slope['full_s'] * 1e3:.1f} ms, "
-            f"floor {slope['floor_s'] * 1e3:.1f} ms (replayed layer / full layer: "
-            f"{slope['replay_s'] / slope['full_s']:.2f})"
+            f"\nper layer: replay {slope['replay_s'] * 1e3:.1f} ms, full {full_ms} ms, "
+            f"floor {slope['floor_s'] * 1e3:.1f} ms{vs}"
         )
 
 
