@@ -393,10 +393,11 @@ def estimate_case(
     gpu: CudaDevice | None = None,
     calibrate: bool = False,
     loop: PlainLoop = "train",
+    replay_blocks: bool = False,
 ) -> StepEstimate:
     """Estimate the case (the model is untouched; with a ``strategy``, as one rank of it; with
     ``calibrate``, the kernels measured on this machine; ``loop``: a training step, or one validation
-    or predict batch; see ``estimate_step``).
+    or predict batch; ``replay_blocks``: repeated blocks replayed; see ``estimate_step``).
 
     The estimator converts for ``*-true`` precisions and places the fake tensors on ``device`` itself,
     so the CPU float32 model and batch go in as they are.
@@ -404,7 +405,15 @@ def estimate_case(
     config = case.config if strategy is None else dataclasses.replace(case.config, strategy=strategy)
     batch = _for_loop(case, case.estimate_batch, loop)
     return estimate(
-        case.model, batch, config, device=device, steps=steps, gpu=gpu, calibrate=calibrate, loop=loop
+        case.model,
+        batch,
+        config,
+        device=device,
+        steps=steps,
+        gpu=gpu,
+        calibrate=calibrate,
+        loop=loop,
+        replay_blocks=replay_blocks,
     )
 
 

@@ -45,6 +45,7 @@ def _estimate(settings: Settings, out: TextIO) -> None:
             gpu=settings.gpu,
             calibrate=args.calibrate,
             loop=args.loop,
+            replay_blocks=args.replay_blocks,
         )
     fits = _fits_gpu(est, args.gpu_memory)
     if args.json:
@@ -59,6 +60,9 @@ def _estimate(settings: Settings, out: TextIO) -> None:
             " cuBLAS workspace, foreach optimizers, attention backend, autocast lists; not cuDNN)",
             file=out,
         )
+    if est.replayed_blocks:
+        groups = ", ".join(f"{n} of {path or 'the model'}" for path, n in est.replayed_blocks.items())
+        print(f"  replayed blocks per step: {groups} (from the events of alike blocks)", file=out)
     _print_estimate(est, out)
     if fits is not None:
         verdict = "fits" if fits["fits"] else "does NOT fit"

@@ -285,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
         )
         if name == "estimate":
             _add_calibrate_flag(p)
+            p.add_argument(
+                "--replay-blocks",
+                action="store_true",
+                help="simulate a few of each run of six or more alike blocks (a decoder's layers) and "
+                "replay their events for the others, where checks find that they repeat: the same "
+                "figures, in a time that hardly grows with depth (off by default; training only)",
+            )
             _add_strategy_flags(p)
             _add_gpu_flags(p, memory=True)
     p = sub.add_parser(
