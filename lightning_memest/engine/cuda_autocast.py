@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -33,7 +34,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map_only
 
-__all__ = ["CUDA_FP32_ONLY", "CUDA_LOWER_ONLY", "cuda_autocast_lists"]
+__all__ = ["CUDA_FP32_ONLY", "CUDA_LOWER_ONLY", "autocast_cast", "cuda_autocast_lists"]
 
 #: CUDA's float32 list less the CPU's: function and method names.
 CUDA_FP32_ONLY = frozenset(
@@ -96,12 +97,14 @@ class _CudaAutocastLists(TorchFunctionMode):
             elif name in CUDA_LOWER_ONLY:
                 target = torch.get_autocast_dtype("cpu")
             if target is not None:
-                args, kwargs = tree_map_only(Tensor, lambda t: _cast(t, target), (tuple(args), kwargs))
+                cast = functools.partial(autocast_cast, dtype=target)
+                args, kwargs = tree_map_only(Tensor, cast, (tuple(args), kwargs))
         return func(*args, **kwargs)
 
 
-def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
-    # Autocast casts floating tensors of the other precisions only (not float64, not integers).
+def autocast_cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` as autocast casts an op's input to ``dtype``: floating tensors of the other precisions
+    only (not float64, not integers)."""
     if t.is_floating_point() and t.dtype != dtype and t.dtype != torch.float64:
         return t.to(dtype)
     return t

@@ -50,6 +50,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
+from lightning_memest.engine.cuda_autocast import autocast_cast
+
 if TYPE_CHECKING:
     from lightning_memest.engine.tracker import Tracker
 
@@ -118,7 +120,7 @@ def _attention(tracker: Tracker, args: Sequence[Any], kwargs: Mapping[str, Any])
     before = tracker.op_context
     if torch.is_autocast_enabled("cpu"):  # CUDA's autocast runs attention in the lower precision
         low = torch.get_autocast_dtype("cpu")
-        q, k, v = (t.to(low) if t.is_floating_point() else t for t in (q, k, v))
+        q, k, v = (autocast_cast(t, low) for t in (q, k, v))
     # (the CPU kernel takes no dropout: its probability goes with the flags, for the CUDA model)
     tracker.op_context = (*before, ("sdp_enabled", sdp_enabled()), ("dropout_p", dropout_p))
     try:

@@ -199,7 +199,7 @@ def simulate(
         values = stack.enter_context(
             real_path(mode, known, cpu_allocator=target.type == "cpu" and what_if is None)
         )
-        values.on_read = tracker.known_read
+        values.on_read = tracker.value_read
         for t, role, path in _residents(model, fake_batch):
             tracker.add_resident(t, role, path)
         companion_fakes = [t for c in companions for _, t, _ in resident_tensors(c)]

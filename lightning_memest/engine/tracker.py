@@ -284,7 +284,7 @@ class Tracker:
         self.events.append(ModuleExit(path, Phase.BACKWARD if backward else Phase.FORWARD, handles))
 
     # --- ops ------------------------------------------------------------------------------------
-    def known_read(self, func: torch._ops.OpOverload, what: str, exact: bool = True) -> None:
+    def value_read(self, func: torch._ops.OpOverload, what: str, exact: bool = True) -> None:
         """A read answered outside the data-dependent policy, listed with its answer: from values the
         simulation knows (``engine.real_path``: exact), or by a rule of ``engine.sparse``."""
         self.events.append(DataDependent(str(func), self.module, what, exact))
@@ -529,7 +529,7 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             self._depth += 1
             try:
                 if rule is not None:  # a sparse tensor's entries, which the fake kernel loses
-                    note = functools.partial(self.tracker.known_read, func)
+                    note = functools.partial(self.tracker.value_read, func)
                     backward = self.tracker.phase is Phase.BACKWARD
                     out, self.tracker.workspace = rule(func, args, kwargs, note, backward)
                     return out
