@@ -175,18 +175,23 @@ def largest_rise(prof: profile, resident: Mapping[int, int]) -> int:
     A free counts for a block allocated in the profile or in ``resident`` (address: bytes, what was
     held when it started); the allocator also reports, with a stale size, frees of blocks at an address
     an earlier profile saw allocated, which were never held here."""
+    return max([0, *(held for _, held in running_sum(prof, resident))])  # (0: nothing rose)
+
+
+def running_sum(prof: profile, resident: Mapping[int, int]) -> Iterator[tuple[int, int]]:
+    """``(time, rise)`` after each CPU allocation and free of the finished profile ``prof``: the running
+    sum of its events above what was held when it began, frees counted as :func:`largest_rise` says."""
     blocks = dict(resident)
-    held = rise = 0
+    held = 0
     allocated: dict[int, int] = {}
-    for _, nbytes, address in _allocations(prof):
+    for time, nbytes, address in _allocations(prof):
         if nbytes > 0:
             allocated[address] = nbytes
         else:
             size = allocated.pop(address, None)
             nbytes = -(blocks.pop(address, 0) if size is None else size)
         held += nbytes
-        rise = max(rise, held)
-    return rise
+        yield time, held
 
 
 @dataclass

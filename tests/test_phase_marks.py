@@ -9,7 +9,7 @@ import gc
 
 import torch
 import torch.nn.functional as F
-from probe import _allocations, storage_blocks
+from probe import running_sum, storage_blocks
 from torch import Tensor, nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -44,22 +44,10 @@ def _held_at_marks(model: nn.Module, batch: tuple[Tensor, Tensor]) -> list[int]:
         gc.enable()
     assert prof.profiler is not None and prof.profiler.kineto_results is not None
     at = {e.name(): e.start_ns() for e in prof.profiler.kineto_results.events() if e.name() in MARKS}
-    blocks, allocated = dict(resident), {}
-    held, found = sum(resident.values()), []
-    events = iter(_allocations(prof))
-    pending = next(events, None)
-    for mark in MARKS:
-        while pending is not None and pending[0] <= at[mark]:
-            _, nbytes, address = pending
-            if nbytes > 0:
-                allocated[address] = nbytes
-            else:
-                size = allocated.pop(address, None)
-                nbytes = -(blocks.pop(address, 0) if size is None else size)
-            held += nbytes
-            pending = next(events, None)
-        found.append(held)
-    return found
+    sums = list(running_sum(prof, resident))
+    # What was resident, and the running sum at each mark (after its last event before the mark).
+    before = sum(resident.values())
+    return [before + next((held for t, held in reversed(sums) if t <= at[mark]), 0) for mark in MARKS]
 
 
 def test_phase_marks_are_what_a_real_step_holds_between_its_phases() -> None:
