@@ -253,3 +253,29 @@ def test_the_report_lists_which_reads_were_exact_and_which_assumed() -> None:
         (False, "0.0"),
         (True, "its real value"),
     ]
+
+
+def test_the_summary_names_only_the_reads_that_were_assumed() -> None:
+    # The model summary's footer row is for reads whose answer was assumed; reads of the batch's own
+    # values were exact and get none.
+    from lightning_memest.adapter.summary import footer_items
+
+    class Pool(nn.Module):
+        def forward(self, x: torch.Tensor, graph: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(int(graph.max()) + 1, 4).index_add(0, graph, x)
+
+    graph = torch.tensor([0, 0, 1, 2])
+
+    def exact(m: nn.Module, b: Any) -> torch.Tensor:
+        return m(*b).sum()
+
+    def assumed(m: nn.Module, b: Any) -> torch.Tensor:
+        out = m(*b).sum()
+        out.item()
+        return out
+
+    label = "Tensor values read (assumed, see MemEstimate.estimate)"
+    for loss_fn, expected in ((exact, None), (assumed, "1")):
+        est = estimate_step(Pool(), (torch.randn(4, 4, requires_grad=True), graph), loss_fn=loss_fn, steps=1)
+        assert est.data_dependent, "the batch's graph ids were read"
+        assert dict(footer_items(est)).get(label) == expected

@@ -196,9 +196,9 @@ def footer_items(estimate: StepEstimate) -> list[tuple[str, str]]:
                 f"{human_flops(f.forward)} + {human_flops(f.backward or 0)}",
             )
         )
-    if estimate.data_dependent is not None:
+    if estimate.assumed_reads:  # (reads of values the batch holds were exact: nothing to say)
         items.append(
-            ("Tensor values read (assumed, see MemEstimate.estimate)", str(len(estimate.data_dependent)))
+            ("Tensor values read (assumed, see MemEstimate.estimate)", str(len(estimate.assumed_reads)))
         )
     if estimate.real_ops:
         calls = ", ".join(f"{op} ({n} calls)" if n > 1 else op for op, n in estimate.real_ops.items())
