@@ -73,7 +73,7 @@ class FakeConverter:
         key = id(p)
         fake = self._memo.get(key)
         if fake is None:
-            fake = nn.Parameter(self._convert(p.detach()), requires_grad=p.requires_grad)
+            fake = _parameter(self.mode, self._convert(p.detach()), p.requires_grad)
             self._memo[key] = fake
         return fake  # type: ignore[return-value]
 
@@ -88,6 +88,18 @@ class FakeConverter:
     def batch(self, batch: Any) -> Any:
         """The batch with every tensor made fake (any structure ``batches.map_tensors`` walks)."""
         return map_tensors(batch, self.tensor)
+
+
+def _parameter(mode: FakeTensorMode, fake: Tensor, requires_grad: bool) -> Tensor:
+    """``nn.Parameter(fake, requires_grad)``, made without the op it runs (``fake.detach()``, which
+    re-enters the tracking mode: four fifths of a parameter's conversion): a fake tensor on the same
+    storage, marked a parameter as ``nn.Parameter`` marks a tensor subclass."""
+    if fake.layout is not torch.strided or not isinstance(fake, FakeTensor):
+        return nn.Parameter(fake, requires_grad=requires_grad)
+    with torch._C._DisableTorchDispatch():
+        meta = torch.empty(0, dtype=fake.dtype, device="meta")
+        meta.set_(fake.untyped_storage(), fake.storage_offset(), fake.shape, fake.stride())
+    return FakeTensor(mode, meta, fake.device, requires_grad=requires_grad, _is_param=True)
 
 
 @contextmanager
