@@ -200,7 +200,9 @@ def precheck(
     what: str | None = None,
     options: Callable[[], Sequence[Option]] | None = None,
 ) -> PrecheckResult:
-    """Compare the estimated peak with ``budget_bytes`` (from :func:`device_budget`, say).
+    """Compare the estimated peak with ``budget_bytes`` (from :func:`device_budget`, say): the least
+    the step can run in (``StepEstimate.runnable_peak_bytes``: on CUDA, with cuDNN's smallest
+    convolution workspaces), the typical peak named beside it where it differs.
 
     ``max_fit`` computes the largest batch size that fits (a batch-size search: ``SizedStep.largest_batch``
     in ``fit``), ``options`` what would fit (``advice.advise``); both are called only when the estimate
@@ -216,19 +218,30 @@ def precheck(
         >>> r.fits
         False
         >>> print(r.message)
-        the estimated peak of a training step at batch size 64, 8.12 MiB (8,516,008 B), is over the memory budget of 1.00 MiB (1,048,576 B); at the peak (step 1, backward): parameters 3.82 MiB, gradients 3.81 MiB, temporaries 250.01 KiB; 7.63 MiB of it (94 %) is the model's state and other tensors, whatever the batch size; even batch size 1 does not fit
+        the estimated peak of a training step at batch size 64, 8.12 MiB (8,516,008 B), is over the memory budget of 1.00 MiB (1,048,576 B); at the peak (step 1, backward): parameters 3.82 MiB, gradients 3.81 MiB, workspaces 250.00 KiB; 7.63 MiB of it (94 %) is the model's state and other tensors, whatever the batch size; even batch size 1 does not fit
         >>> precheck(est, 2**30).fits
         True
     """  # noqa: E501
-    peak = estimate.peak_bytes
+    # On CUDA the step runs in less than its typical peak when cuDNN falls back to convolution plans
+    # with smaller workspaces (accounting.kernels.cudnn_workspace): that is what must fit.
+    peak, typical = estimate.runnable_peak_bytes, estimate.peak_bytes
     at = f" at batch size {batch_size}" if batch_size is not None else ""
     what = what or what_runs(estimate.loop)
+    least = (
+        f" with cuDNN's smallest convolution workspaces ({format_bytes(typical)} with the plans it "
+        "prefers)"
+        if peak != typical
+        else ""
+    )
     amounts = (
-        f"the estimated peak of {what}{at}, {format_bytes(peak)} ({peak:,} B), is {{}} the "
+        f"the estimated peak of {what}{at}, {format_bytes(peak)} ({peak:,} B){least}, is {{}} the "
         f"memory budget of {format_bytes(budget_bytes)} ({budget_bytes:,} B)"
     )
     if peak <= budget_bytes:
-        return PrecheckResult(True, peak, budget_bytes, batch_size, None, amounts.format("within"))
+        message = amounts.format("within")
+        if typical > budget_bytes:
+            message += "; cuDNN will fall back to convolution plans with smaller workspaces (slower)"
+        return PrecheckResult(True, peak, budget_bytes, batch_size, None, message)
     best = max_fit() if max_fit is not None else None
     message = amounts.format("over") + f"; {what_it_holds(estimate)}"
     if best is not None:

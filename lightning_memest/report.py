@@ -14,6 +14,7 @@ from typing import Any
 from lightning_memest.engine.events import Phase
 
 __all__ = [
+    "CUDNN_WORKSPACE_ASSUMED",
     "Breakdown",
     "CalibrationSummary",
     "DataDependentRead",
@@ -32,6 +33,12 @@ __all__ = [
     "render_columns",
 ]
 
+#: What every CUDA output says where cuDNN's convolution workspaces were not measured.
+CUDNN_WORKSPACE_ASSUMED = (
+    "cuDNN convolution workspaces assumed at their smallest, 0 B (measured when the kernels are "
+    "calibrated on a GPU): the step may reserve more"
+)
+
 
 @dataclass(frozen=True)
 class Breakdown:
@@ -45,6 +52,11 @@ class Breakdown:
     communication: int
     inputs: int
     temporaries: int
+    """Storages of the step that hold none of the roles above (an op's intermediate results)."""
+    workspaces: int = 0
+    """Scratch memory of the kernel running at that moment, beyond its outputs (oneDNN's reorder
+    buffers on the CPU, cuDNN's convolution workspace on CUDA): calibrated where the kernels were
+    measured, else from the kernel models (``accounting.kernels``)."""
     other_tensors: int = 0
     """Tensors alive on the device that are not the step's own (other callbacks' state, datasets)."""
 
@@ -308,7 +320,7 @@ class StepEstimate:
     approximate: bool = False
     """True for a CUDA what-if on a machine without a GPU: CPU kernels ran; CUDA's allocator, library
     workspaces, optimizer defaults, attention backend and autocast lists were modelled, cuDNN's
-    workspaces were not."""
+    convolution workspaces taken at their smallest (:attr:`cudnn_workspace_assumed`)."""
     cuda_context_bytes: int | None = None
     """On CUDA, the CUDA context outside the caching allocator (measured on a GPU, assumed in a
     what-if; see ``accounting.cuda_device``); ``None`` on CPU."""
@@ -316,6 +328,14 @@ class StepEstimate:
     """On CUDA, whether :attr:`cuda_context_bytes` is an assumption (a what-if, where no GPU measured it
     and the user gave none: ``CudaDevice(context_bytes=..., context_given=True)``, ``memest
     --cuda-context``); ``None`` on CPU."""
+    smallest_workspace_peaks: tuple[int, ...] | None = None
+    """On CUDA, the allocated peak of each step if every cuDNN convolution ran the plan PyTorch falls
+    back to when its preferred plan's workspace cannot be allocated (no workspace): the least the step
+    can run in, slower (``accounting.kernels.cudnn_workspace``). ``None`` where no convolution holds a
+    workspace (the CPU; a CUDA what-if, where no GPU measured them: see :attr:`cudnn_workspace_assumed`)."""
+    cudnn_workspace_assumed: bool | None = None
+    """On CUDA with convolutions, whether their cuDNN workspaces are assumed (the smallest, 0 B) rather
+    than measured (calibrated on the GPU); ``None`` on the CPU or without convolutions."""
     calibration: CalibrationSummary | None = None
     """What calibrating the kernels on this machine took; ``None`` when not calibrated."""
     kernel_sources: tuple[KernelSource, ...] | None = None
@@ -366,6 +386,11 @@ class StepEstimate:
             reserved = format_bytes(max(self.reserved_bytes))
             total = format_bytes(self.device_bytes)
             lines.append(f"  device: {total} = reserved {reserved} + CUDA context {context}{said}")
+        if self.smallest_workspace_peaks is not None:
+            least = format_bytes(self.runnable_peak_bytes)
+            lines.append(f"  with cuDNN's smallest convolution workspaces the step runs in {least} (slower)")
+        if self.cudnn_workspace_assumed:
+            lines.append(f"  {CUDNN_WORKSPACE_ASSUMED}")
         if self.data_dependent:
             assumed = sum(r.count for r in self.assumed_reads)
             exact = sum(r.count for r in self.data_dependent) - assumed
@@ -401,6 +426,14 @@ class StepEstimate:
         """The largest peak over the simulated steps."""
         return max(p.bytes for p in self.peaks)
 
+    @property
+    def runnable_peak_bytes(self) -> int:
+        """The least peak the step can run in: :attr:`peak_bytes`, or on CUDA with cuDNN workspaces the
+        largest of :attr:`smallest_workspace_peaks` (what the pre-check compares with the budget)."""
+        if self.smallest_workspace_peaks is None:
+            return self.peak_bytes
+        return max(self.smallest_workspace_peaks)
+
     def to_json(self) -> dict[str, Any]:
         """The plain-data form that ``memest estimate --json`` prints."""
         return {
@@ -412,6 +445,15 @@ class StepEstimate:
             ),
             "cuda_context_bytes": self.cuda_context_bytes,
             "context_bytes_assumed": self.cuda_context_assumed,
+            "smallest_workspace_peak_bytes": (
+                None
+                if self.smallest_workspace_peaks is None
+                else {
+                    "first_step": self.smallest_workspace_peaks[0],
+                    "steady_state": self.smallest_workspace_peaks[-1],
+                }
+            ),
+            "workspace_bytes_assumed": self.cudnn_workspace_assumed,
             "breakdown_bytes": dict(self.steady_state.breakdown.items()),
             "flops": None
             if self.flops is None

@@ -35,6 +35,7 @@ BREAKDOWN_KEYS = {
     "activations",
     "inputs",
     "temporaries",
+    "workspaces",
     "other_tensors",
 }
 

@@ -157,5 +157,7 @@ def test_what_if_follows_cuda_autocast_lists() -> None:
     on_cpu = estimate_step(model, batch, optimizer=torch.optim.SGD, precision="bf16-mixed")
     what_if = estimate_step(model, batch, optimizer=torch.optim.SGD, precision="bf16-mixed", device="cuda")
     # layer_norm's and softmax's outputs, saved for backward: 2 x 512 x 256 x 2 B more in float32
-    extra = what_if.steady_state.breakdown.activations - on_cpu.steady_state.breakdown.activations
+    # (what the model saves, not the peak's breakdown: the two peaks are at different ops, the CPU's
+    # in a matmul whose oneDNN workspace a CUDA what-if does not have)
+    extra = what_if.modules.saved_bytes - on_cpu.modules.saved_bytes
     assert extra >= 2 * 512 * 256 * 2

@@ -1,7 +1,7 @@
 """Events -> ``StepEstimate``: the accounting of a simulation, composed in one place.
 
 :func:`account` walks the simulation's event stream once with the observers that make the report --
-live bytes with the models of the kernels that ran (``accounting.kernels.kernel_fn``), FLOPs,
+live bytes with the models of the device's kernels (``accounting.kernels.kernel_fn``), FLOPs,
 per-module figures, the tensor values read, and on CUDA the caching allocator model configured as this
 process's would be (``PYTORCH_CUDA_ALLOC_CONF``) with the libraries' workspaces and the kernel models
 of the device accounted for -- and builds the report. :func:`peak_bytes` and :func:`peak_profile` are
@@ -39,6 +39,11 @@ from lightning_memest.accounting.kernels import (
     captures_for_calibration,
     captures_kernel,
     kernel_fn,
+)
+from lightning_memest.accounting.kernels.cudnn_workspace import (
+    has_convolutions,
+    has_elastic_workspace,
+    smallest_workspaces,
 )
 from lightning_memest.accounting.phase_marks import PhaseMarks
 from lightning_memest.accounting.replay import (
@@ -111,17 +116,20 @@ class _Memory:
         calibration: Calibration | None,
         roles: dict[int, Role] | None = None,
     ) -> _Memory:
-        # The exact live bytes follow the kernels that ran (a what-if ran CPU ones); the device
-        # allocator, the kernels of the device accounted for.
+        # Both the exact live bytes and the device allocator take the kernels of the device accounted
+        # for: in a CUDA what-if (CPU kernels ran) the CUDA what-if models, not oneDNN's workspaces.
         cuda = _gpu(sim, gpu) if sim.is_cuda else None
         capability = cuda.capability if cuda is not None else None
-        ran = kernel_fn(sim.device.type, what_if=False, capability=capability, calibration=calibration)
-        live = LiveBytes(final_roles(sim.events) if roles is None else roles, sim.steps, ran)
+        if sim.what_if is not None:
+            kernels = kernel_fn("cuda", what_if=True, capability=capability)
+        else:
+            kernels = kernel_fn(
+                sim.device.type, what_if=False, capability=capability, calibration=calibration
+            )
+        live = LiveBytes(final_roles(sim.events) if roles is None else roles, sim.steps, kernels)
         if cuda is None:
-            return _Memory(live, None, None, ran)
-        what_if = sim.what_if is not None
-        kernels = ran if not what_if else kernel_fn("cuda", what_if=True, capability=capability)
-        return _Memory(live, _caching_allocator(sim, cuda, kernels), cuda, ran)
+            return _Memory(live, None, None, kernels)
+        return _Memory(live, _caching_allocator(sim, cuda, kernels), cuda, kernels)
 
     @property
     def observers(self) -> tuple[Observer, ...]:
@@ -196,6 +204,8 @@ def account(
     reserved: tuple[int, ...] | None = None
     context: int | None = None
     assumed: bool | None = None
+    smallest: tuple[int, ...] | None = None
+    workspace_assumed: bool | None = None
     if memory.device is not None and memory.gpu is not None:
         # What torch.cuda.max_memory_allocated/reserved count; the breakdown stays in exact bytes.
         device_peaks = memory.device.peaks
@@ -205,6 +215,10 @@ def account(
         reserved = device_peaks.reserved
         context = memory.gpu.context_bytes
         assumed = memory.gpu.context_assumed
+        smallest = _smallest_workspace_peaks(sim, memory.gpu, memory.kernels)
+        if has_convolutions(sim.events):
+            # cuDNN's workspaces are measured only where the kernels were calibrated on a GPU
+            workspace_assumed = not isinstance(memory.kernels, CalibratedKernels)
     return StepEstimate(
         device="cuda" if sim.what_if == "cuda" else str(sim.device),
         precision=sim.precision,
@@ -223,6 +237,8 @@ def account(
         approximate=sim.what_if is not None,
         cuda_context_bytes=context,
         cuda_context_assumed=assumed,
+        smallest_workspace_peaks=smallest,
+        cudnn_workspace_assumed=workspace_assumed,
         calibration=calibration.summary() if calibration is not None else None,
         kernel_sources=memory.kernels.sources() if isinstance(memory.kernels, CalibratedKernels) else None,
         batch_shapes=sim.batch_shapes,
@@ -234,8 +250,18 @@ def account(
     )
 
 
+def _smallest_workspace_peaks(sim: Simulation, gpu: CudaDevice, kernels: KernelFn) -> tuple[int, ...] | None:
+    """The allocated peaks with every cuDNN convolution's workspace at its smallest
+    (``kernels.cudnn_workspace``): a second walk of the caching allocator, only where they differ."""
+    if not has_elastic_workspace(sim.events, kernels):
+        return None
+    device = _caching_allocator(sim, gpu, smallest_workspaces(kernels))
+    walk(sim.events, device)
+    return device.peaks.allocated
+
+
 def _peak(p: StepPeak) -> Peak:
-    values = dict(zip([r.value for r in ROLE_ORDER] + ["temporaries"], p.by_role, strict=True))
+    values = dict(zip([r.value for r in ROLE_ORDER] + ["temporaries", "workspaces"], p.by_role, strict=True))
     return Peak(
         step=p.step + 1,
         bytes=p.live_bytes,

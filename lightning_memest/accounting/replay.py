@@ -66,6 +66,7 @@ __all__ = [
 
 ROLE_ORDER: tuple[Role, ...] = tuple(Role)
 _TEMPORARY = len(ROLE_ORDER)  # the breakdown slot of storages with no role
+_WORKSPACE = _TEMPORARY + 1  # the slot of the kernel workspace held at that moment (no storage of its own)
 
 
 class Observer:
@@ -163,7 +164,8 @@ class StepPeak:
     """0-based index of the simulated step."""
     live_bytes: int
     by_role: tuple[int, ...]
-    """Bytes per role in ``ROLE_ORDER``, then temporaries (storages with no role, and workspaces)."""
+    """Bytes per role in ``ROLE_ORDER``, then temporaries (storages with no role), then the kernel
+    workspace held at that moment."""
     event: OpEvent
 
 
@@ -180,7 +182,7 @@ class LiveBytes(Observer):
         self.kernel_fn = kernel_fn
         self.size: dict[int, int] = {}
         self.growth: dict[int, int] = {}  # outputs a kernel model says are larger than faked
-        self.by_slot = [0] * (len(ROLE_ORDER) + 1)
+        self.by_slot = [0] * (len(ROLE_ORDER) + 2)
         self.live = 0
         self.samples: list[OpSample] = []
         self.best: list[StepPeak | None] = [None] * steps
@@ -241,7 +243,7 @@ class LiveBytes(Observer):
         best = self.best[step]
         if best is None or value > best.live_bytes:
             by_role = list(self.by_slot)
-            by_role[_TEMPORARY] += value - self.live  # the workspace held at this moment
+            by_role[_WORKSPACE] = value - self.live  # the op's workspace, held beside the live storages
             self.best[step] = StepPeak(step, value, tuple(by_role), op)
 
     def _close_op(self) -> None:

@@ -102,7 +102,7 @@ def auto_plan(
     plan fits (``None`` where the step fits as it is, or nothing fits)."""
     step, _, _ = _checked(batches)
     budget_bytes = budget.budget_bytes(estimate, trainer.strategy.root_device)
-    if estimate.peak_bytes <= budget_bytes:
+    if estimate.runnable_peak_bytes <= budget_bytes:  # as the pre-check decides
         return None
     plan = plan_step(step, module, budget_bytes)
     return plan if plan.fits and plan.modules else None

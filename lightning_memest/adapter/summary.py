@@ -200,6 +200,12 @@ def footer_items(estimate: StepEstimate) -> list[tuple[str, str]]:
         items.append(
             ("Tensor values read (assumed, see MemEstimate.estimate)", str(len(estimate.assumed_reads)))
         )
+    if estimate.smallest_workspace_peaks is not None:
+        items.append(
+            ("Runs in, with cuDNN's smallest workspaces (slower)", format_bytes(estimate.runnable_peak_bytes))
+        )
+    if estimate.cudnn_workspace_assumed:
+        items.append(("cuDNN convolution workspaces", "assumed 0 B (measured when calibrated on a GPU)"))
     if estimate.real_ops:
         calls = ", ".join(f"{op} ({n} calls)" if n > 1 else op for op, n in estimate.real_ops.items())
         items.append(("Run for real (their fake kernels failed)", calls))

@@ -18,7 +18,13 @@ from lightning_memest.cli.parser import PROG, Settings
 from lightning_memest.cli.progress import Progress, watched
 from lightning_memest.errors import MemestError, SpecError, one_line
 from lightning_memest.fx import NODE_ORDERS, profile_graph
-from lightning_memest.report import ModuleStats, StepEstimate, format_bytes, human_flops
+from lightning_memest.report import (
+    CUDNN_WORKSPACE_ASSUMED,
+    ModuleStats,
+    StepEstimate,
+    format_bytes,
+    human_flops,
+)
 from lightning_memest.search import max_batch_size
 from lightning_memest.tables import MODULE_ORDERS, module_rows, module_table
 
@@ -108,10 +114,14 @@ def _print_estimate(est: StepEstimate, out: TextIO) -> None:
     if est.cuda_context_bytes is not None and est.device_bytes is not None:
         context = "CUDA context (assumed)" if est.cuda_context_assumed else "CUDA context"
         rows += [(context, est.cuda_context_bytes), ("device (reserved+context)", est.device_bytes)]
+    if est.smallest_workspace_peaks is not None:
+        rows.append(("peak, smallest workspaces", est.runnable_peak_bytes))
     for label, n in rows:
         print(f"  {label:<26}{format_bytes(n):>12}  ({n:,} B)", file=out)
     if est.cuda_context_assumed:
         print("  (no GPU measured the context here: --cuda-context SIZE sets it)", file=out)
+    if est.cudnn_workspace_assumed:
+        print(f"  ({CUDNN_WORKSPACE_ASSUMED})", file=out)
     peak = est.steady_state
     where = f"{peak.op} in {peak.module or '(root)'}, {peak.phase.value}"
     print(f"\n  at the {'steady-state ' if est.loop == 'train' else ''}peak ({where}):", file=out)
