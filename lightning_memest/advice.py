@@ -34,7 +34,7 @@ from lightning_memest.errors import EstimationError, MemestError
 from lightning_memest.plan import CheckpointPlan, plan_step
 from lightning_memest.report import format_bytes, format_share
 from lightning_memest.search import BatchSizeResult
-from lightning_memest.sizing import SizedStep
+from lightning_memest.search.sizing import SizedStep
 
 __all__ = ["Option", "advise"]
 

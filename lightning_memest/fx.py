@@ -50,7 +50,7 @@ reports the checkpointed step.
 
 A model that ``symbolic_trace`` cannot trace (Python control flow on a tensor's value, ...) raises
 :class:`~lightning_memest.errors.TraceError` with fx's reason; ``estimate_step`` still gives its
-module-level report (``lightning_memest.tables`` renders that one the same way).
+module-level report (``lightning_memest.report.tables`` renders that one the same way).
 
 Example:
     >>> import torch
@@ -96,7 +96,7 @@ from lightning_memest.engine.step import (
 )
 from lightning_memest.engine.tracker import Tracker
 from lightning_memest.errors import TraceError
-from lightning_memest.node_report import NODE_ORDERS, GraphProfile, GraphTotals, NodeProfile
+from lightning_memest.report.nodes import NODE_ORDERS, GraphProfile, GraphTotals, NodeProfile
 
 __all__ = [
     "META_KEY",

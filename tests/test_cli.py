@@ -714,8 +714,9 @@ def test_help_version_and_usage_errors_import_no_torch() -> None:
 def test_the_parser_s_choices_are_the_library_s() -> None:
     # One definition each, in lightning_memest.constants (torch-free, for the parser); where the
     # library still spells one itself, it must say the same.
-    from lightning_memest import constants, fx, search, tables
+    from lightning_memest import constants, fx, search
     from lightning_memest.engine import distributed, inference_step, step
+    from lightning_memest.report import tables
 
     assert step.PRECISIONS == constants.PRECISIONS
     assert (cases.LOSSES, cases.OPTIMIZERS) == (constants.LOSSES, constants.OPTIMIZERS)

@@ -25,7 +25,7 @@ from lightning_memest.fx import (
     profile_graph,
     trace,
 )
-from lightning_memest.tables import module_rows, module_table
+from lightning_memest.report.tables import module_rows, module_table
 
 F32 = 4  # bytes per float32 element
 

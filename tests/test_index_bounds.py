@@ -1,4 +1,4 @@
-"""Index ops checked against the values their indices can hold (``lightning_memest.index_bounds``): each
+"""Index ops checked against the values their indices can hold (``lightning_memest.cases.index_bounds``): each
 rejection is one the real step makes too, and nothing the real step accepts is rejected."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from lightning_memest.index_bounds import IndexBounds, OutOfBoundsError
+from lightning_memest.cases.index_bounds import IndexBounds, OutOfBoundsError
 
 VOCAB = 50
 

@@ -228,7 +228,7 @@ import json, torch
 from torch import nn
 from lightning_memest import estimate_step
 from lightning_memest.search import max_batch_size
-from lightning_memest.search_worker import Worker
+from lightning_memest.search.worker import Worker
 estimate_step(nn.Linear(8, 8), torch.randn(2, 8), optimizer=torch.optim.SGD)
 worker = Worker(lambda n: n)
 ready = worker.ready

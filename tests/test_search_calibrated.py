@@ -1,4 +1,4 @@
-"""The batch-size search with the kernels calibrated on this machine (search_calibration.py and
+"""The batch-size search with the kernels calibrated on this machine (search/calibration.py and
 accounting/kernels/batch_fit.py): the fit on hand-made calibrations, the search's protocol with a peak
 model that prepares and shares, and the answer against the CPU allocator's ground truth."""
 
@@ -20,7 +20,7 @@ from lightning_memest.accounting.kernels.model import KernelMemory
 from lightning_memest.cases import InputSpec, build_case, case_batch_maker, estimate_case, measure_case
 from lightning_memest.cli import main
 from lightning_memest.search import max_batch_size, search_batch_size
-from lightning_memest.search_calibration import anchor_sizes
+from lightning_memest.search.calibration import anchor_sizes
 
 TESTS = Path(__file__).parent
 

@@ -41,8 +41,8 @@ from lightning_memest.engine.events import (
     Tag,
 )
 from lightning_memest.engine.simulate import ModuleNode
-from lightning_memest.node_report import NodeProfile
 from lightning_memest.report import DataDependentRead, FlopCount, ModuleStats
+from lightning_memest.report.nodes import NodeProfile
 
 __all__ = [
     "OUTSIDE",

@@ -37,7 +37,7 @@ from lightning_memest.engine.step import Precision, StepConfig, StepListener, au
 from lightning_memest.errors import EstimationError
 from lightning_memest.report import StepEstimate
 from lightning_memest.search import DEFAULT_CAP, BatchSizeResult, Progress
-from lightning_memest.sizing import Calibrate, SizedStep
+from lightning_memest.search.sizing import Calibrate, SizedStep
 
 __all__ = ["FitSetup", "dataset_length", "first_batch", "fit_setup", "train_loader"]
 

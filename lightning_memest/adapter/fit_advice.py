@@ -32,7 +32,7 @@ from lightning_memest.engine.distributed import FSDP
 from lightning_memest.plan import CheckpointPlan, plan_step
 from lightning_memest.report import StepEstimate
 from lightning_memest.search import BatchSizeResult
-from lightning_memest.sizing import SizedStep
+from lightning_memest.search.sizing import SizedStep
 
 __all__ = ["apply_plan", "auto_plan", "training_check"]
 

@@ -37,7 +37,7 @@ from lightning_memest.engine.real_path import VALUE_LIMIT
 from lightning_memest.engine.step import optimizer_state_tensors
 from lightning_memest.measure import LiveTensorScan, live_tensors, module_tensors, resident_bytes
 from lightning_memest.report import StepEstimate
-from lightning_memest.sizing import SizedStep
+from lightning_memest.search.sizing import SizedStep
 
 __all__ = ["FitBatches", "batch_signature", "light_copy", "resident_at_start", "resident_besides"]
 

@@ -44,7 +44,7 @@ from lightning_memest.budget import what_runs
 from lightning_memest.engine.events import NO_OP
 from lightning_memest.measure import LiveTensorScan, StepProbe
 from lightning_memest.report import MeasuredStep, StepEstimate, format_bytes
-from lightning_memest.sizing import Calibrate, SizedStep
+from lightning_memest.search.sizing import Calibrate, SizedStep
 
 __all__ = ["LoopChecks", "LoopStart", "loop_what"]
 

@@ -37,7 +37,7 @@ from lightning_memest.engine.simulate import Simulation, simulate
 from lightning_memest.engine.step import StepConfig, StepListener, optimizer_state_tensors
 from lightning_memest.errors import EstimationError
 from lightning_memest.report import StepEstimate
-from lightning_memest.sizing import Calibrate, SizedStep
+from lightning_memest.search.sizing import Calibrate, SizedStep
 
 __all__ = ["LoopSetup", "loop_name", "loop_setup", "training_state"]
 

@@ -25,8 +25,8 @@ from lightning_memest.report import (
     format_bytes,
     human_flops,
 )
+from lightning_memest.report.tables import MODULE_ORDERS, module_rows, module_table
 from lightning_memest.search import max_batch_size
-from lightning_memest.tables import MODULE_ORDERS, module_rows, module_table
 
 __all__ = ["COMMANDS", "compare_row"]
 

@@ -42,8 +42,8 @@ from lightning_memest.plan.report import CandidateModule, CheckpointPlan, model_
 from lightning_memest.plan.solver import solve
 from lightning_memest.plan.windows import Candidate, block_windows
 from lightning_memest.report import StepEstimate
+from lightning_memest.search.sizing import SizedStep
 from lightning_memest.sizes import MemoryBudget
-from lightning_memest.sizing import SizedStep
 
 __all__ = ["ATTEMPTS", "plan_checkpointing", "plan_step"]
 

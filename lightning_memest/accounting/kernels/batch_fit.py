@@ -20,7 +20,7 @@ call calibration did not measure. Kernels that switch algorithm with the batch s
 (oneDNN's backward convolution takes the larger of a weight-sized and a batch-sized buffer): the fit
 is exact at both anchors and at every batch-independent signature, and approximate in between and
 beyond: :meth:`BatchFit.workspace_bound` says how far off it may be, and the search measures the calls
-where that could move the peak (``search_calibration.py``).
+where that could move the peak (``search/calibration.py``).
 
 Example:
     >>> import torch

@@ -8,7 +8,7 @@ kernels, the same loop, precision and strategy -- or a user who follows it runs 
 is the estimate (the pre-check's, at the batch in hand), :meth:`SizedStep.largest_batch` the batch-size
 search over it, whose answer is then checked by :meth:`~SizedStep.estimate_at` itself --
 ``estimate_at(n) <= budget < estimate_at(n + 1)`` -- and corrected where the search's fitted kernel
-memory (``search_calibration.py``) disagreed.
+memory (``search/calibration.py``) disagreed.
 
 Example:
     >>> import torch
@@ -41,7 +41,13 @@ from lightning_memest.accounting.kernels.calibrate import calibrate as calibrate
 from lightning_memest.batches import batch_size_of, resize_batch
 from lightning_memest.engine.simulate import Simulation
 from lightning_memest.report import StepEstimate
-from lightning_memest.search import DEFAULT_CAP, BatchSizeResult, Progress, search_batch_size, search_steps
+from lightning_memest.search.batch_size import (
+    DEFAULT_CAP,
+    BatchSizeResult,
+    Progress,
+    search_batch_size,
+    search_steps,
+)
 
 __all__ = ["Calibrate", "SizedStep"]
 

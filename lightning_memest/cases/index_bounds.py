@@ -33,7 +33,7 @@ Example:
     ...         table(ids)
     Traceback (most recent call last):
     ...
-    lightning_memest.index_bounds.OutOfBoundsError: the token ids (0 .. 499) index embed.weight (aten.embedding), which has 50 rows: the real step fails with IndexError: index out of range in self
+    lightning_memest.cases.index_bounds.OutOfBoundsError: the token ids (0 .. 499) index embed.weight (aten.embedding), which has 50 rows: the real step fails with IndexError: index out of range in self
 """  # noqa: E501
 
 from __future__ import annotations

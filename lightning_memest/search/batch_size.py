@@ -13,7 +13,7 @@ search itself over any peak model, with its worker process (pairs of probes at o
 
 With ``calibrate=True`` the probes' kernel memory is this machine's, without a real step per probe:
 two sizes are calibrated in full, every other probe is fitted from them and measured only where the
-fit could move its peak (``search_calibration.py``); the search then starts from those two sizes.
+fit could move its peak (``search/calibration.py``); the search then starts from those two sizes.
 
     >>> import torch
     >>> from torch import nn
@@ -49,8 +49,8 @@ from lightning_memest.engine.simulate import Simulation, simulate
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
 from lightning_memest.errors import EstimationError, one_line
 from lightning_memest.report import format_bytes
-from lightning_memest.search_calibration import CalibratedPeaks, SearchCalibration
-from lightning_memest.search_worker import ProbeModel, Worker, can_fork, start_worker
+from lightning_memest.search.calibration import CalibratedPeaks, SearchCalibration
+from lightning_memest.search.worker import ProbeModel, Worker, can_fork, start_worker
 
 __all__ = [
     "DEFAULT_CAP",

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.batches import resize_batch
-from lightning_memest.case_input import output_shape
+from lightning_memest.cases.input_check import output_shape
 from lightning_memest.constants import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_LOSS,

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from lightning_memest.cases.index_bounds import IndexBounds, OutOfBoundsError
 from lightning_memest.engine.step import first_output
 from lightning_memest.errors import SpecError, one_line
-from lightning_memest.index_bounds import IndexBounds, OutOfBoundsError
 
 if TYPE_CHECKING:
     from lightning_memest.cases import InputSpec

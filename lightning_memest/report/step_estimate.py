@@ -1,36 +1,29 @@
-"""What an estimate reports: frozen, typed dataclasses, and their plain-data (JSON) form.
-
-Every figure here is derived from one event stream of one simulated run (``accounting.account`` fills
-these types), so peaks, breakdowns, per-module figures, FLOPs and the timeline agree. The module is a
-vocabulary: it imports nothing of the package but the engine's ``Phase``.
-"""
+"""The estimate of a step (``StepEstimate``) and its parts: peaks with their breakdowns by role, the
+timeline, phase marks, the tensor values read, where kernel memory came from, and the measured figure
+it is checked against (``MeasuredStep``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
 from lightning_memest.engine.events import Phase
+from lightning_memest.report.flops import FlopCount
+from lightning_memest.report.formatting import format_bytes
+from lightning_memest.report.modules import ModuleStats
 
 __all__ = [
     "CUDNN_WORKSPACE_ASSUMED",
     "Breakdown",
     "CalibrationSummary",
     "DataDependentRead",
-    "FlopCount",
     "KernelSource",
     "MeasuredStep",
-    "ModuleFlops",
-    "ModuleStats",
-    "OpFlops",
     "Peak",
+    "PhaseMark",
     "StepEstimate",
     "TimelinePoint",
-    "format_bytes",
-    "format_share",
-    "human_flops",
-    "render_columns",
 ]
 
 #: What every CUDA output says where cuDNN's convolution workspaces were not measured.
@@ -97,50 +90,6 @@ class Peak:
         return f"{format_bytes(self.bytes)} in step {self.step} ({where})"
 
 
-@dataclass(frozen=True, repr=False)
-class ModuleStats:
-    """One node of the per-module tree (figures of the first step; a module includes its children)."""
-
-    path: str
-    type_name: str
-    parameter_bytes: int
-    saved_bytes: int
-    """Bytes of activations saved for backward while this module ran forward (parameters not counted)."""
-    forward_peak_bytes: int | None
-    """Most bytes live during its forward; ``None`` if it never ran."""
-    backward_peak_bytes: int | None
-    """Most bytes live during its backward; ``None`` if it had no backward."""
-    forward_flops: int | None
-    """Headline FLOPs (2 x MACs of matmuls, convolutions, attention) of its forward; ``None`` if it
-    never ran."""
-    backward_flops: int | None
-    children: tuple[ModuleStats, ...] | None
-
-    def walk(self) -> Iterator[ModuleStats]:
-        """This node and all below it, depth first."""
-        yield self
-        for child in self.children or ():
-            yield from child.walk()
-
-    def __repr__(self) -> str:
-        # The tree below is summed up, not spelled out: a model's tree runs to thousands of lines.
-        below = sum(1 for _ in self.walk()) - 1
-        return (
-            f"<ModuleStats {self.path or '(root)'} ({self.type_name}): saved {self.saved_bytes:,} B, "
-            f"{below:,} modules below>"
-        )
-
-    def __str__(self) -> str:
-        """One line: the module, its parameters, what it saves for backward, its FLOPs."""
-        flops = "" if self.forward_flops is None else f", forward {human_flops(self.forward_flops)}"
-        if self.backward_flops is not None:
-            flops += f", backward {human_flops(self.backward_flops)}"
-        return (
-            f"{self.path or '(root)'} ({self.type_name}): parameters {format_bytes(self.parameter_bytes)}, "
-            f"saved for backward {format_bytes(self.saved_bytes)}{flops}"
-        )
-
-
 @dataclass(frozen=True)
 class TimelinePoint:
     """Live bytes right after one op allocated its outputs (its high point)."""
@@ -184,75 +133,6 @@ class DataDependentRead:
         what = "a scalar read (.item(), bool(), int())" if "_local_scalar_dense" in self.op else self.op
         answer = f"exact, {self.assumed}" if self.exact else f"assumed {self.assumed}"
         return f"{what} in {self.module or '(root)'} x{self.count}: {answer}"
-
-
-@dataclass(frozen=True, slots=True)
-class ModuleFlops:
-    """FLOPs of one module in the first step, inclusive of its children (headline and other)."""
-
-    path: str
-    forward: int
-    backward: int
-    other_forward: int
-    other_backward: int
-
-
-@dataclass(frozen=True, slots=True)
-class OpFlops:
-    """FLOPs of one op (overload name) in the first step, over all its calls and phases."""
-
-    op: str
-    calls: int
-    flops: int
-    other: int
-
-
-@dataclass(frozen=True, slots=True, repr=False)
-class FlopCount:
-    """FLOPs of the first training step; a phase that did not run (no op in it) is ``None``."""
-
-    forward: int
-    backward: int | None
-    optimizer: int | None
-    other_forward: int
-    other_backward: int | None
-    other_optimizer: int | None
-    modules: tuple[ModuleFlops, ...]
-    """Per module (inclusive of children), in the order modules first ran; ``""`` is the root."""
-    ops: tuple[OpFlops, ...]
-    """Per op with a formula, most FLOPs (headline, then other) first."""
-    uncounted: tuple[str, ...] = ()
-    """Ops whose formula could not read their call (counted as 0)."""
-
-    @property
-    def total(self) -> int:
-        """Headline FLOPs of the whole step (forward + backward + optimizer)."""
-        return self.forward + (self.backward or 0) + (self.optimizer or 0)
-
-    @property
-    def other_total(self) -> int:
-        return self.other_forward + (self.other_backward or 0) + (self.other_optimizer or 0)
-
-    def module(self, path: str) -> ModuleFlops | None:
-        """The figures of module ``path``, ``None`` when it did not run."""
-        for m in self.modules:
-            if m.path == path:
-                return m
-        return None
-
-    def __repr__(self) -> str:
-        return (
-            f"<FlopCount forward {self.forward:,}, backward {self.backward or 0:,}, optimizer "
-            f"{self.optimizer or 0:,}, other {self.other_total:,}; {len(self.modules):,} modules, "
-            f"{len(self.ops):,} ops>"
-        )
-
-    def __str__(self) -> str:
-        """``'forward 1.82 GFLOP, backward 3.52 GFLOP, optimizer 0 FLOP (other 51.20 MFLOP)'``."""
-        return (
-            f"forward {human_flops(self.forward)}, backward {human_flops(self.backward or 0)}, optimizer "
-            f"{human_flops(self.optimizer or 0)} (other {human_flops(self.other_total)})"
-        )
 
 
 @dataclass(frozen=True)
@@ -497,52 +377,6 @@ class StepEstimate:
             {"op": r.op, "module": r.module, "exact": r.exact, "assumed": r.assumed, "count": r.count}
             for r in self.data_dependent
         ]
-
-
-def format_bytes(n: int | float) -> str:
-    """``1536`` -> ``'1.50 KiB'``; binary units, as memory is sized."""
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def human_flops(n: int | float) -> str:
-    """``1.8e9`` -> ``'1.80 GFLOP'``; decimal units, as FLOPs are counted."""
-    value = float(n)
-    for unit in ("", "K", "M", "G", "T", "P"):
-        if abs(value) < 1000 or unit == "P":
-            return f"{int(value)} FLOP" if not unit else f"{value:.2f} {unit}FLOP"
-        value /= 1000
-    raise AssertionError("unreachable")
-
-
-def format_share(share: float) -> str:
-    """A share as a percentage: ``0.189`` -> ``'18.9 %'``; a small one keeps two figures, so that it
-    does not read as nothing (``0.00042`` -> ``'0.042 %'``)."""
-    value = 100 * share
-    return f"{value:.1f} %" if abs(value) >= 1 or value == 0 else f"{value:.2g} %"
-
-
-def render_columns(rows: Sequence[Sequence[str]], right_from: int) -> str:
-    """Columns two spaces apart; those from ``right_from`` on right-aligned, except in the header.
-
-    >>> print(render_columns([("a", "b"), ("x", "12"), ("yy", "3")], right_from=1))
-    a   b
-    x   12
-    yy   3
-    """
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for k, r in enumerate(rows):
-        cells = [
-            c.rjust(w) if i >= right_from and k > 0 else c.ljust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ]
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
 
 
 @dataclass(frozen=True)
