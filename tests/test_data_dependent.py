@@ -25,7 +25,8 @@ from lightning_memest.engine.events import DataDependent
 from lightning_memest.engine.nonzero_bounds import nonzero_bound
 from lightning_memest.engine.real_path import real_path
 from lightning_memest.engine.step import StepConfig
-from lightning_memest.engine.tracker import Tracker, TrackingFakeTensorMode, real_value
+from lightning_memest.engine.tracker import Tracker, real_value
+from lightning_memest.engine.tracking_mode import TrackingFakeTensorMode
 from lightning_memest.engine.value_sets import values_in
 from lightning_memest.measure import measure_step
 

@@ -60,7 +60,8 @@ from lightning_memest.engine.blocks import (
 )
 from lightning_memest.engine.events import Alloc, Free, ModuleEnter, ModuleExit, OpEvent, Phase, Tag
 from lightning_memest.engine.replay_tracker import ReplayMismatch, ReplayTracker
-from lightning_memest.engine.tracker import Tracker, TrackingFakeTensorMode
+from lightning_memest.engine.tracker import Tracker
+from lightning_memest.engine.tracking_mode import TrackingFakeTensorMode
 
 __all__ = ["ReplayMismatch", "ReplayTracker", "block_replay"]
 

@@ -48,7 +48,8 @@ adding up to every pick; selections of other unknown values keep their own bound
 
 Example:
     >>> import torch
-    >>> from lightning_memest.engine.tracker import Tracker, TrackingFakeTensorMode, real_value
+    >>> from lightning_memest.engine.tracker import Tracker, real_value
+    >>> from lightning_memest.engine.tracking_mode import TrackingFakeTensorMode
     >>> with TrackingFakeTensorMode(Tracker()):  # as the simulation runs a sampler
     ...     pos = torch.zeros(1000, dtype=torch.uint8)
     ...     neg = torch.zeros(1000, dtype=torch.uint8)

@@ -16,7 +16,8 @@ their bounds (torchvision's FPN levels, far from even).
 
 Example:
     >>> import torch
-    >>> from lightning_memest.engine.tracker import Tracker, TrackingFakeTensorMode
+    >>> from lightning_memest.engine.tracker import Tracker
+    >>> from lightning_memest.engine.tracking_mode import TrackingFakeTensorMode
     >>> with TrackingFakeTensorMode(Tracker()):
     ...     ids = torch.randn(1000, 6).topk(2, dim=-1).indices
     ...     [len(torch.where(ids == e)[0]) for e in range(6)]

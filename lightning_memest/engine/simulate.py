@@ -50,7 +50,8 @@ from lightning_memest.engine.step import (
     plain_runner,
     true_dtype,
 )
-from lightning_memest.engine.tracker import CaptureFilter, Tracker, TrackingFakeTensorMode
+from lightning_memest.engine.tracker import CaptureFilter, Tracker
+from lightning_memest.engine.tracking_mode import TrackingFakeTensorMode
 from lightning_memest.errors import EstimationError
 
 __all__ = ["ModuleNode", "Simulation", "simulate"]

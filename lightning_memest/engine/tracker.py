@@ -1,10 +1,11 @@
-"""The fake mode that follows every storage's life during a step, and emits events.
+"""The tracker that follows every storage's life during a step, and emits events.
 
-``TrackingFakeTensorMode`` runs each aten op on fake tensors, then its ``Tracker`` registers the
-storages of the op's outputs it has not seen (an allocation) and a weak reference to each, whose
-callback marks the free the moment the last tensor on that storage dies -- the same moment the real
-allocator would free it. Module scopes (forward and backward), the step's phases, what autograd saves for
-backward, which storages become gradients and optimizer state are recorded in the same stream.
+``TrackingFakeTensorMode`` (``engine.tracking_mode``) runs each aten op on fake tensors, then its
+``Tracker`` registers the storages of the op's outputs it has not seen (an allocation) and a weak
+reference to each, whose callback marks the free the moment the last tensor on that storage dies --
+the same moment the real allocator would free it. Module scopes (forward and backward), the step's
+phases, what autograd saves for backward, which storages become gradients and optimizer state are
+recorded in the same stream.
 
 An op whose fake kernel needs values it does not have gets the answer of ``engine.data_dependent``'s
 policy, recorded as a ``DataDependent`` event; the policy reads the values the simulation knows
@@ -13,11 +14,9 @@ policy, recorded as a ``DataDependent`` event; the policy reads the values the s
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -50,18 +49,14 @@ from lightning_memest.engine.events import (
     TensorMeta,
 )
 from lightning_memest.engine.fake import local_tensor
-from lightning_memest.engine.pointer_kernels import pointer_kernels
 from lightning_memest.engine.read_guard import ReadGuard
 from lightning_memest.engine.real_ops import NotRunnable, run_for_real
 from lightning_memest.engine.real_path import known_value
-from lightning_memest.engine.sparse import carry_indices, sparse_rule
-from lightning_memest.engine.value_sets import carry_value_sets, remember_written_sets
 from lightning_memest.errors import EstimationError
 
 __all__ = [
     "CaptureFilter",
     "Tracker",
-    "TrackingFakeTensorMode",
     "real_value",
     "storages_of",
 ]
@@ -72,28 +67,9 @@ CaptureFilter = Callable[[torch._ops.OpOverload], bool]
 #: Answers an op whose fake kernel needs values (``data_dependent.answer`` with the values known).
 Answerer = Callable[[torch._ops.OpOverload, tuple[Any, ...], dict[str, Any]], data_dependent.Answer | None]
 
-_SKIP_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
 
 _aten = torch.ops.aten
 _ADD = _aten.add.Tensor
-#: In-place elementwise updates of torch.optim's for-loop implementations: the result is ``self``.
-_IN_PLACE_UPDATES = frozenset(
-    {
-        _aten.add_.Tensor,
-        _aten.add_.Scalar,
-        _aten.sub_.Tensor,
-        _aten.sub_.Scalar,
-        _aten.mul_.Tensor,
-        _aten.mul_.Scalar,
-        _aten.div_.Tensor,
-        _aten.div_.Scalar,
-        _aten.lerp_.Scalar,
-        _aten.lerp_.Tensor,
-        _aten.addcmul_.default,
-        _aten.addcdiv_.default,
-        _aten.sqrt_.default,
-    }
-)
 
 
 class Tracker:
@@ -437,151 +413,12 @@ def storages_of(t: Tensor) -> list[torch.UntypedStorage]:
         return [part.untyped_storage() for part in parts]
 
 
-class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
-    """A ``FakeTensorMode`` that reports each op it runs to a :class:`Tracker`.
-
-    One mode rather than a tracking mode stacked above the fake one: a second Python dispatch layer
-    per op would double the estimator's cost. Ops the fake mode runs inside another op (its own
-    decompositions) are not reported: the real kernel of the outer op does not allocate them either.
-    """
-
-    def __init__(self, tracker: Tracker) -> None:
-        super().__init__(allow_non_fake_inputs=True)
-        self.tracker = tracker
-        tracker.mode = self
-        self._depth = 0
-        self._entered: list[ExitStack] = []
-
-    def __enter__(self) -> TrackingFakeTensorMode:
-        # Kernels that write through data pointers are replaced while the mode is on (once: policies enter
-        # it again to make their tensors).
-        stack = ExitStack()
-        if not self._entered:
-            stack.enter_context(pointer_kernels(real_value))
-        self._entered.append(stack)
-        try:
-            return super().__enter__()
-        except BaseException:
-            self._entered.pop().close()
-            raise
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            super().__exit__(*exc)
-        finally:
-            self._entered.pop().close()
-
-    def _answer(
-        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> data_dependent.Answer | None:
-        """The data-dependent policy's answer, its tensors made in this mode (fake) and not reported: the
-        op's outputs are, as the op's."""
-        with self.untracked(), self:
-            return data_dependent.answer(func, args, kwargs, real_value)
-
-    @contextmanager
-    def untracked(self) -> Iterator[None]:
-        """Ops inside run on fake tensors but are not reported (they are not part of the step)."""
-        self._depth += 1
-        try:
-            yield
-        finally:
-            self._depth -= 1
-
-    def __torch_dispatch__(
-        self,
-        func: torch._ops.OpOverload,
-        types: Sequence[type],
-        args: Sequence[object] = (),
-        kwargs: Mapping[str, object] | None = None,
-    ) -> Any:
-        kwargs = dict(kwargs or {})
-        if self._depth:
-            # An op run inside another (a fake kernel's own ops, a policy's): not part of the step. Not
-            # reported, and the fake mode's own ``dispatch`` runs it, not a wrapper of it: no values are
-            # computed for it (``engine.real_path`` -- a meta kernel's ``self.new_empty(...)`` would get
-            # the garbage of a real ``new_empty`` as the values of the op's output).
-            return FakeTensorMode.dispatch(self, func, types, args, kwargs)
-        if func in _SKIP_OPS or func.namespace == "profiler":
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        if _composite(func) and not _takes_nested(args):
-            # Under inference_mode (no autograd key) a composite op (conv2d, linear, layer_norm) reaches
-            # the mode whole; a real run decomposes it into the ops the kernel models, the FLOP formulas
-            # and the calibration know (convolution, addmm): so must the simulation, at this level.
-            # The C++ composite, not a Python decomposition registered for tracing (upsample_bilinear2d's
-            # computes with a dozen elementwise ops the real kernel does not make).
-            with self:
-                return func._op_dk(torch._C.DispatchKey.CompositeImplicitAutograd, *args, **kwargs)
-
-        if func in _IN_PLACE_UPDATES and self.tracker.phase is Phase.OPTIMIZER and self._own(args, kwargs):
-            # An optimizer's in-place update of a fake tensor: its result is its first argument and it
-            # allocates nothing, so the fake kernel (a third of a simulation's time under Adam's
-            # for-loop) is skipped. Only there: in forward and backward, in-place ops bump version
-            # counters that autograd checks.
-            def update() -> Any:
-                return args[0]
-
-            return self.tracker.run_op(update, func, tuple(args), kwargs)
-
-        rule = sparse_rule(func, args)
-
-        def run() -> Any:
-            self._depth += 1
-            try:
-                if rule is not None:  # a sparse tensor's entries, which the fake kernel loses
-                    note = functools.partial(self.tracker.value_read, func)
-                    backward = self.tracker.phase is Phase.BACKWARD
-                    out, self.tracker.workspace = rule(func, args, kwargs, note, backward)
-                    return out
-                return super(TrackingFakeTensorMode, self).__torch_dispatch__(func, types, args, kwargs)
-            finally:
-                self._depth -= 1
-
-        remember_written_sets(func, args, real_value)  # what a write is about to forget
-        out = self.tracker.run_op(run, func, tuple(args), kwargs, self._answer)
-        carry_value_sets(func, args, out, real_value, kwargs)
-        carry_indices(func, args, out, real_value)
-        return out
-
-    def _own(self, args: Sequence[object], kwargs: Mapping[str, object]) -> bool:
-        """Whether every tensor argument is a fake tensor of this mode (the first one a tensor without a
-        constant: the fake kernel keeps values of small tensors made from numbers, such as an
-        optimizer's step counter, which ``.item()`` reads)."""
-        first = args[0]
-        if not isinstance(first, FakeTensor) or first.constant is not None:
-            return False
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, Tensor) and not (isinstance(a, FakeTensor) and a.fake_mode is self):
-                return False
-        return True
-
-
-@functools.cache
-def _composite(func: torch._ops.OpOverload) -> bool:
-    """Whether a real run decomposes ``func``: CompositeImplicitAutograd (a composition of other aten
-    ops) with no kernel of its own for the CPU or CUDA (``silu_backward`` has both: it runs whole), and
-    returning tensors (``is_nonzero``, ``item``, reads of a value, keep their names in the report)."""
-    returns = func._schema.returns
-    if not returns or not all(isinstance(r.type, torch.TensorType) for r in returns):
-        return False
-    name = func.name()  # type: ignore[no-untyped-call]
-    has = torch._C._dispatch_has_kernel_for_dispatch_key
-    keys = torch._C.DispatchKey
-    return has(name, keys.CompositeImplicitAutograd) and not has(name, keys.CPU) and not has(name, keys.CUDA)
-
-
 def real_value(t: Tensor) -> Tensor | None:
     """The real values the simulation knows for ``t`` (a ``value_sets.ValueLookup``): a fake tensor's
     constant or known value (``engine.real_path``), a real tensor's own; ``None`` when unknown."""
     if isinstance(t, FakeTensor):
         return t.constant if t.constant is not None else known_value(t)
     return None if t.is_meta else t
-
-
-def _takes_nested(args: Sequence[object]) -> bool:
-    """Whether a real nested tensor is among the arguments (made by an op run for real,
-    ``engine.real_ops``): its own kernel runs it, not the dense composite."""
-    return any(type(a) is Tensor and a.is_nested for a in args)
 
 
 def _meta(value: Any) -> Any:
