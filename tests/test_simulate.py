@@ -352,3 +352,16 @@ def test_each_step_its_own_batch_against_the_real_steps() -> None:
         probe.stop()
     measured = [peak for peak, _ in probe.finish()]
     assert [p.bytes for p in est.peaks] == measured
+
+
+def test_parameters_made_the_older_torch_way_give_the_same_estimate(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch 2.11-2.13's FakeTensor constructor takes no requires_grad/_is_param: the conversion then
+    # wraps the fake in nn.Parameter, which must give the same figures.
+    from lightning_memest.engine import fake
+    from tests.models import TinyGPT
+
+    model, batch = TinyGPT(), torch.randint(0, 100, (2, 16))
+    fast = estimate_step(model, batch, optimizer=torch.optim.AdamW)
+    monkeypatch.setattr(fake, "_PARAM_FAKES", False)
+    plain = estimate_step(model, batch, optimizer=torch.optim.AdamW)
+    assert plain.peaks == fast.peaks and plain.modules == fast.modules

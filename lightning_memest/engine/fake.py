@@ -13,6 +13,7 @@ keeps shared storages shared), meta and foreign tensors through ``from_meta_and_
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -90,11 +91,16 @@ class FakeConverter:
         return map_tensors(batch, self.tensor)
 
 
+#: Whether this torch's ``FakeTensor`` constructor makes parameters (``requires_grad``, ``_is_param``:
+#: torch 2.14; 2.11's takes neither, and the supported range starts there).
+_PARAM_FAKES = {"requires_grad", "_is_param"} <= set(inspect.signature(FakeTensor.__new__).parameters)
+
+
 def _parameter(mode: FakeTensorMode, fake: Tensor, requires_grad: bool) -> Tensor:
     """``nn.Parameter(fake, requires_grad)``, made without the op it runs (``fake.detach()``, which
     re-enters the tracking mode: four fifths of a parameter's conversion): a fake tensor on the same
     storage, marked a parameter as ``nn.Parameter`` marks a tensor subclass."""
-    if fake.layout is not torch.strided or not isinstance(fake, FakeTensor):
+    if fake.layout is not torch.strided or not isinstance(fake, FakeTensor) or not _PARAM_FAKES:
         return nn.Parameter(fake, requires_grad=requires_grad)
     with torch._C._DisableTorchDispatch():
         meta = torch.empty(0, dtype=fake.dtype, device="meta")
