@@ -144,12 +144,11 @@ def test_cuda_conv_step_runs_capped_at_its_smallest_workspace_peak() -> None:
     assert est.cudnn_workspace_assumed is False
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    used = total - free
-    # Cap this process at what it holds now, plus the step's least figure beyond the resident state
-    # (already allocated) and 10 % for the allocator's rounding.
+    _, total = torch.cuda.mem_get_info()
+    # Cap this process at what it reserves now, plus the step's least figure beyond the resident state
+    # (already allocated), with a fifth more for the caching allocator's segments and rounding.
     resident = torch.cuda.memory_allocated()
-    room = int((est.runnable_peak_bytes - resident) * 1.10) + torch.cuda.memory_reserved() + 64 * MiB
+    room = int((est.runnable_peak_bytes - resident) * 1.2) + torch.cuda.memory_reserved() + 128 * MiB
     torch.cuda.set_per_process_memory_fraction(min(1.0, room / total))
     try:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -159,5 +158,4 @@ def test_cuda_conv_step_runs_capped_at_its_smallest_workspace_peak() -> None:
             optimizer.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0)
-    assert used > 0
+        torch.cuda.set_per_process_memory_fraction(1.0)  # (it ran: over the cap it would have raised OOM)
