@@ -11,11 +11,13 @@
 # that fails or runs out of time costs only itself:
 #
 #   environment.txt           GPU, driver, torch / CUDA / cuDNN, package versions, import check
-#   cuda_tests.txt            the tests that only run with a GPU (real fake-CUDA simulation, CUDA measure)
+#   cuda_tests.txt            the tests that only run with a GPU (real fake-CUDA simulation, CUDA measure,
+#                               a ResNet step capped at its smallest-workspace figure: cuDNN fallback)
 #   cuda_paths.jsonl          CUDA's code paths in the what-if against the GPU: dropout's bool mask, the
 #                               SDP backend under the user's flags (benchmarks/cuda_paths_check.py)
 #   cuda_validation.jsonl     issue 6: estimate vs max_memory_allocated/reserved per case, the CPU-only
-#   cuda_validation.md          what-if, device bytes vs mem_get_info (rows stream in as cases finish;
+#   cuda_validation.md          what-if, the calibrated estimate (cuDNN workspaces measured, smallest-
+#                               workspace peak), device bytes vs mem_get_info (rows stream in as cases finish;
 #                               `python benchmarks/cuda_validation.py --from-rows F` redraws the tables)
 #   workspaces.tar.gz         per-op CUDA kernel excess (cuDNN/cuBLAS workspaces, reserve spaces) for
 #                               a few models: benchmarks/find_kernel_workspaces.py --device cuda --json
@@ -99,7 +101,7 @@ EOF
 
 export -f environment workspaces
 part environment 30 environment | tee "$out/environment.txt"
-part cuda_tests 60 "$PY" -m pytest -q -p no:cacheprovider tests -k cuda | tee "$out/cuda_tests.txt"
+part cuda_tests 90 "$PY" -m pytest -q -p no:cacheprovider tests -k cuda | tee "$out/cuda_tests.txt"
 part cuda_paths 90 "$PY" benchmarks/cuda_paths_check.py --json | tee "$out/cuda_paths.jsonl"
 part cuda_validation 240 "$PY" benchmarks/cuda_validation.py --rows "$out/cuda_validation.jsonl"
 if [ -s "$out/cuda_validation.jsonl" ]; then
