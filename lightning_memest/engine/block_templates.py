@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
 
 from lightning_memest.engine.blocks import BlockRecord, Canon, Layout
 from lightning_memest.engine.events import Role
@@ -129,4 +129,34 @@ def fake_tensor(
     stand-in makes, whose allocation is replayed (an op through the fake mode costs 5x more)."""
     with torch._C._DisableTorchDispatch():
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-    return FakeTensor(mode, meta, device, constant=constant)
+    state = None if constant is not None or FakeTensorConfig.debug else _fresh_state(mode, device)
+    if state is None:
+        return FakeTensor(mode, meta, device, constant=constant)
+    # FakeTensor.__new__'s work less its checks and per-attribute descriptors (half its cost; a replayed
+    # layer makes some 50): the attributes of a fresh fake tensor of this device, copied from one it made.
+    t = Tensor._make_subclass(
+        FakeTensor, meta, False, dispatch_device=True, device_for_backend_keys=state["_fake_device"]
+    )
+    if mode._allow_unsafe_data_ptr_access:
+        torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
+    else:
+        torch._C._set_throw_on_mutable_data_ptr(t)
+    t.__dict__.update(state)
+    t.fake_mode = mode
+    return t
+
+
+_FRESH: dict[torch.device, dict[str, Any]] = {}
+
+
+def _fresh_state(mode: FakeTensorMode, device: torch.device) -> dict[str, Any]:
+    """The instance attributes ``FakeTensor.__new__`` gives a tensor on ``device`` without a constant,
+    less its mode (the same for every such tensor: none depends on the tensor)."""
+    state = _FRESH.get(device)
+    if state is None:
+        with torch._C._DisableTorchDispatch():
+            meta = torch.empty(0, device="meta")
+        state = dict(FakeTensor(mode, meta, device).__dict__)
+        del state["fake_mode"]  # set per tensor: a mode kept here would keep its simulation alive
+        _FRESH[device] = state
+    return state
