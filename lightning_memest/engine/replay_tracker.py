@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -38,19 +39,22 @@ class ReplayTracker(Tracker):
         self.linked: set[int] = set()  # copies still waiting for their template's storage to die
         self.freed: set[int] = set()  # real handles that died (for links made after)
         self.on_step_end: Callable[[], None] | None = None
+        self._on_free = self._on_free  # type: ignore[method-assign]  # one bound method for every storage
 
     def _free_callback(self, key: int, handle: int) -> Callable[[object], None]:
-        def on_free(_: object) -> None:
-            if self._handles.get(key) == handle:
-                del self._handles[key], self._sizes[key], self._refs[key]
-                self.events.append(Free(handle))
-                self.freed.add(handle)
-                for copy in self.links.pop(handle, ()):
-                    if copy in self.linked:
-                        self.linked.discard(copy)
-                        self.events.append(Free(copy))
+        # One object the cyclic collector follows per storage where a closure makes five (function,
+        # cells): its full collections walk every one of them while the step runs.
+        return functools.partial(self._on_free, key, handle)
 
-        return on_free
+    def _on_free(self, key: int, handle: int, _: object) -> None:
+        if self._handles.get(key) == handle:
+            del self._handles[key], self._sizes[key], self._refs[key]
+            self.events.append(Free(handle))
+            self.freed.add(handle)
+            for copy in self.links.pop(handle, ()):
+                if copy in self.linked:
+                    self.linked.discard(copy)
+                    self.events.append(Free(copy))
 
     def new_handle(self) -> int:
         handle = self._next_handle
