@@ -5,7 +5,10 @@ For each case: the simulation's seconds with replay and without (``StepEstimate.
 median of ``--repeats``), the meta floor (two plain steps of the same model on meta tensors, no fake
 mode: ``benchmarks/benchmark.py``'s), their ratios, the blocks replayed per step, and whether every
 figure of the two estimates is equal. Then the cost per layer: the slope of the seconds over the
-depths given, with and without replay.
+depths given, with and without replay. Each timed run starts from a full collection (``gc.collect()``),
+so that no run pays for the garbage of the one before: the simulations' events are tens of thousands of
+objects, and where a full collection of the heap falls (some 0.3 s with torch loaded) otherwise depends
+on the runs before; a run still pays for the collections its own objects cause.
 
     python benchmarks/replay.py                    # a 32-layer 7B decoder, and the per-layer slope
     python benchmarks/replay.py --quick            # a small decoder at depths 8 and 32
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
 import sys
@@ -86,11 +90,17 @@ def run_case(
     loss = hf_loss if llama is not None else lm_loss
 
     def est(replay: bool) -> Any:
+        gc.collect()
         return estimate_step(model, batch, loss_fn=loss, optimizer=torch.optim.AdamW, replay_blocks=replay)
+
+    def floor() -> float:
+        fresh = build(layers, d_model, seq, vocab, llama)
+        gc.collect()
+        return floor_seconds(*fresh, loss)
 
     replayed = [est(True) for _ in range(repeats)]
     fulls = [est(False) for _ in range(repeats)] if full else []
-    floors = [floor_seconds(*build(layers, d_model, seq, vocab, llama), loss) for _ in range(repeats)]
+    floors = [floor() for _ in range(repeats)]
     r = statistics.median(e.estimate_seconds for e in replayed)
     fl = statistics.median(floors)
     row: dict[str, Any] = {
