@@ -328,16 +328,21 @@ class OptimizerReplay:
             ):
                 return False
         stand = [(i, run.t1 + (i - run.start) % run.q) for i in range(run.start, run.stop)]
+        # The template's layouts once, not once per stand-in.
+        layouts = {
+            t: (layout_of(params[t]), None if params[t].grad is None else layout_of(params[t].grad))
+            for t in range(run.t1, run.t1 + run.q)
+        }
         for i, t in stand:
-            p, tp = params[i], params[t]
-            if (p.grad is None) != (tp.grad is None) or layout_of(p) != layout_of(tp):
+            p = params[i]
+            if layout_of(p) != layouts[t][0]:
                 return False
-            if p.grad is not None and layout_of(p.grad) != layout_of(tp.grad):
+            if (None if p.grad is None else layout_of(p.grad)) != layouts[t][1]:
                 return False
             if shapes[(i - run.start) % run.q][1]:
                 if state.get(p):
                     return False
-            elif not self.same_state(state.get(p, {}), state.get(tp, {})):
+            elif not self.same_state(state.get(p, {}), state.get(params[t], {})):
                 return False
         loop.begin(Iteration(-1, len(self.tracker.events), [], (), tuple(len(lst) for lst in lists)))
         mode = self.tracker.mode
