@@ -94,6 +94,7 @@ class _Call:
     keep: list[Tensor] = field(default_factory=list)
     grad_output: int | None = None
     device: torch.device | None = None  # the input's: where the stand-in makes its tensors
+    paths: dict[str, str] = field(default_factory=dict)  # a template's module path -> this call's
 
 
 class _Group:
@@ -401,11 +402,11 @@ class BlockReplay:
         return h
 
     def _path(self, call: _Call, rel: str) -> str:
-        if rel == "@":
-            return call.block
-        if rel.startswith("@."):
-            return call.block + rel[1:]
-        return rel
+        path = call.paths.get(rel)
+        if path is None:  # once per module of the call: its events share the string
+            path = call.block if rel == "@" else call.block + rel[1:] if rel.startswith("@.") else rel
+            call.paths[rel] = path
+        return path
 
     def _emit(self, program: tuple[Any, ...], call: _Call, phase: Phase) -> None:
         tracker = self.tracker
