@@ -130,7 +130,7 @@ def fake_tensor(
     with torch._C._DisableTorchDispatch():
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
     state = None if constant is not None or FakeTensorConfig.debug else _fresh_state(mode, device)
-    if state is None:
+    if state is None or "_fake_device" not in state:  # (torch before 2.14 names its attributes otherwise)
         return FakeTensor(mode, meta, device, constant=constant)
     # FakeTensor.__new__'s work less its checks and per-attribute descriptors (half its cost; a replayed
     # layer makes some 50): the attributes of a fresh fake tensor of this device, copied from one it made.
