@@ -90,6 +90,21 @@ def test_llama_decoder() -> None:
     _compare(model, ids, {"model.layers": 3}, 3 * 9 * 4, loss_fn=_hf_loss, optimizer=torch.optim.AdamW)
 
 
+def test_mixtral_experts_run_for_real_are_counted_for_the_stand_ins() -> None:
+    """transformers' MoE experts take ``aten._grouped_mm``, whose fake kernel refuses float32 and which
+    runs for real (``engine.real_ops``): the report counts its calls, the stand-ins' too."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 16))
+    _compare(model, ids, {"model.layers": 3}, loss_fn=_hf_loss, optimizer=torch.optim.AdamW)
+    full = estimate_step(model, ids, loss_fn=_hf_loss, optimizer=torch.optim.AdamW)
+    assert full.real_ops  # (else there is nothing to count)
+
+
 def test_gpt2_decoder() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(

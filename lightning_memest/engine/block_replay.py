@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -206,9 +207,10 @@ class BlockReplay:
             [],
         )
         state.records[k] = record
-        start = len(tracker.events)
+        start, real = len(tracker.events), Counter(tracker.real_ops)
         out = original(*args, **kwargs)
         record.forward = tracker.events[start:]
+        record.forward_real = tracker.real_ops - real
         out_leaves, out_spec = tree_flatten(out)
         tensors = [(i, t) for i, t in enumerate(out_leaves) if isinstance(t, Tensor)]
         values = tuple(None if isinstance(v, Tensor) else v for v in out_leaves)
@@ -246,6 +248,7 @@ class BlockReplay:
                     break
                 at -= 1
             record.backward_start = at
+            record.real_before = Counter(tracker.real_ops)
             g = grads[nr]
             record.grad_output = None if g is None else tracker.handle_of(g)
 
@@ -268,6 +271,7 @@ class BlockReplay:
                         continue  # the block's own scope and the outside's: their hooks fire for real
                 kept.append(e)
             record.backward = kept
+            record.backward_real = tracker.real_ops - record.real_before
             g = grads[nr]
             if g is None:
                 record.fail("no gradient for the input")
@@ -298,6 +302,7 @@ class BlockReplay:
         x = leaves[template.grad_leaf]
         call.device = x.device
         self._emit(template.forward, call, Phase.FORWARD)
+        tracker.real_ops.update(template.record.forward_real)
         for n in template.linked:
             if not tracker.link(template.record.internal_handle(n), call.internal[n]):
                 raise ReplayMismatch(f"a storage of {template.record.path} died before its copy was made")
@@ -340,6 +345,7 @@ class BlockReplay:
         call.real.setdefault(h, grad.untyped_storage()._cdata)
         assert template.backward is not None and template.grad_input is not None
         self._emit(template.backward, call, Phase.BACKWARD)
+        tracker.real_ops.update(template.backward_real)
         assert template.grad_input_layout is not None and dense(template.grad_input_layout)
         assert call.device is not None
         grad_in = self._make(template.grad_input_layout, call.device)

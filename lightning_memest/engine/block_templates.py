@@ -12,7 +12,8 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ class Template:
     grad_input: Canon | None = None
     grad_input_layout: Layout | None = None
     param_grads: tuple[tuple[Canon | None, Layout | None], ...] = ()
+    backward_real: Counter[str] = field(default_factory=Counter)  # block N-2's ops run for real
 
 
 def forward_template(record: BlockRecord, sig: tuple[Any, ...]) -> Template | None:
@@ -105,6 +107,7 @@ def backward_into(template: Template, record: BlockRecord, sig: tuple[Any, ...])
         return False
     template.backward = backward
     template.grad_input = grad_input
+    template.backward_real = record.backward_real
     template.grad_input_layout = layout
     template.param_grads = param_grads
     return True

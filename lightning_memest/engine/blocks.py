@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,6 +181,11 @@ class BlockRecord:
     param_grads: tuple[tuple[int | None, Layout | None], ...] = ()
     failure: str | None = None
     """Why this call cannot serve as a template (``None``: it can)."""
+    forward_real: Counter[str] = field(default_factory=Counter)
+    """Its forward's ops run for real (their fake kernels failed, ``engine.real_ops``), by op: what a
+    stand-in of it counts too, as the report lists them per call."""
+    backward_real: Counter[str] = field(default_factory=Counter)
+    real_before: Counter[str] = field(default_factory=Counter)  # the tracker's count as a span began
     _canon: dict[int, Canon] = field(default_factory=dict)
     _internal: list[int] = field(default_factory=list)
 
