@@ -84,7 +84,7 @@ def _gpt2(optimizer: Callable[..., torch.optim.Optimizer]) -> Callable[[], Case]
 def _t5() -> Case:
     m, ids = _lm(
         "T5Config", "T5ForConditionalGeneration", vocab_size=500, d_model=64, d_kv=16, d_ff=128,
-        num_layers=6, num_decoder_layers=6, num_heads=4, decoder_start_token_id=0, pad_token_id=0,
+        num_layers=8, num_decoder_layers=8, num_heads=4, decoder_start_token_id=0, pad_token_id=0,
     )  # fmt: skip
     return m, ids, {"loss_fn": _lm_loss, "optimizer": torch.optim.AdamW}
 
@@ -125,7 +125,7 @@ FAMILIES: dict[str, Callable[[], Case]] = {
     "mixtral (MoE)": _hf(
         "MixtralConfig", "MixtralForCausalLM", **_GQA, num_local_experts=4, num_experts_per_tok=2
     ),
-    "t5 (encoder-decoder)": _t5,
+    "t5 (encoder-decoder, 8 + 8 layers)": _t5,
     "llama": _llama,
     "llama, gradient checkpointing": _llama_checkpointed,
     "llama, bf16-mixed": lambda: _llama(precision="bf16-mixed"),
