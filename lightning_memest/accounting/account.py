@@ -22,7 +22,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import torch
 from torch._ops import OpOverload
@@ -61,6 +65,29 @@ from lightning_memest.engine.tracker import CaptureFilter
 from lightning_memest.report import Breakdown, Peak, StepEstimate, TimelinePoint
 
 __all__ = ["PeakProfile", "account", "capture_filter", "live_bytes", "peak_bytes", "peak_profile"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _without_cyclic_gc(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` with the cyclic garbage collector paused: a walk makes an object or more per event, and
+    the collector's full collections of a heap holding a simulation's events (~0.3 s each with torch
+    loaded) had taken two thirds of a 32-layer decoder's accounting (0.34 -> 0.12 s). Nothing here
+    depends on when garbage is collected (the simulation, whose frees follow the tensors' lives,
+    keeps the collector on); what a walk leaves is collected once it is back."""
+
+    @functools.wraps(fn)
+    def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if not gc.isenabled():
+            return fn(*args, **kwargs)
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            gc.enable()
+
+    return paused
 
 
 def capture_filter(*, flops: bool, calibrate: bool = False) -> CaptureFilter:
@@ -149,6 +176,7 @@ def live_bytes(sim: Simulation, calibration: Calibration | None = None) -> LiveB
     return _Memory.of(sim, None, calibration).live
 
 
+@_without_cyclic_gc
 def peak_bytes(sim: Simulation, gpu: CudaDevice | None = None, calibration: Calibration | None = None) -> int:
     """The largest peak over a simulation's steps, exactly as ``StepEstimate.peak_bytes`` would say,
     without building the report (``gpu``: the GPU of a CUDA simulation, as in ``estimate_step``;
@@ -170,6 +198,7 @@ class PeakProfile:
     curve: tuple[int, ...]
 
 
+@_without_cyclic_gc
 def peak_profile(
     sim: Simulation, gpu: CudaDevice | None = None, calibration: Calibration | None = None
 ) -> PeakProfile:
@@ -180,6 +209,7 @@ def peak_profile(
     return PeakProfile(memory.peak(), curve)
 
 
+@_without_cyclic_gc
 def account(
     sim: Simulation,
     gpu: CudaDevice | None = None,
