@@ -251,3 +251,35 @@ def test_a_worker_forked_after_a_simulation_runs_backward() -> None:
     ready, paired, alone = json.loads(done.stdout.strip().splitlines()[-1])
     assert ready
     assert paired == alone
+
+
+def test_replayed_probes_give_the_same_search() -> None:
+    # Each probe replays the decoder's repeated blocks: the same peaks, so the same probes and answer.
+    import torch
+
+    from tests.models import TinyGPT, lm_loss
+
+    with torch.device("meta"):
+        model = TinyGPT(n_layers=8, d_model=64, n_heads=4, vocab=100, seq_len=16)
+
+    def make(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.zeros(n, 16, dtype=torch.long, device="meta") for _ in range(2))  # type: ignore[return-value]
+
+    import lightning_memest.search.batch_size as searching
+
+    replays: list[object] = []
+    simulate = searching.simulate
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        sim = simulate(*args, **kwargs)  # type: ignore[arg-type]
+        replays.append(sim.replayed_blocks)
+        return sim
+
+    kw: dict[str, object] = {"loss_fn": lm_loss, "optimizer": torch.optim.AdamW, "workers": 1}
+    plain = max_batch_size(model, make, 8 * 2**20, **kw)  # type: ignore[arg-type]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(searching, "simulate", recorded)
+        replayed = max_batch_size(model, make, 8 * 2**20, replay_blocks=True, **kw)  # type: ignore[arg-type]
+    assert replays and all(r == (("blocks", 3),) for r in replays)
+    assert plain.max_batch_size > 1
+    assert (replayed.max_batch_size, replayed.probes) == (plain.max_batch_size, plain.probes)

@@ -390,6 +390,7 @@ def _max_batch_size(settings: Settings, out: TextIO) -> None:
             strategy=settings.strategy,
             gpu=settings.gpu,
             calibrate=args.calibrate,
+            replay_blocks=args.replay_blocks,
         )
     if result.max_batch_size == 0 or result.capped:
         print(f"{PROG}: {result.message}", file=sys.stderr)

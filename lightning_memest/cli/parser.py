@@ -285,13 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
         )
         if name == "estimate":
             _add_calibrate_flag(p)
-            p.add_argument(
-                "--replay-blocks",
-                action="store_true",
-                help="simulate a few of each run of six or more alike blocks (a decoder's layers) and "
-                "replay their events for the others, where checks find that they repeat: the same "
-                "figures, in a time that hardly grows with depth (off by default; training only)",
-            )
+            _add_replay_flag(p)
             _add_strategy_flags(p)
             _add_gpu_flags(p, memory=True)
     p = sub.add_parser(
@@ -498,6 +492,16 @@ def _add_profile_parser(sub: Any) -> None:
     )
 
 
+def _add_replay_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--replay-blocks",
+        action="store_true",
+        help="simulate a few of each run of six or more alike blocks (a decoder's layers) and "
+        "replay their events for the others, where checks find that they repeat: the same "
+        "figures, in a time that hardly grows with depth (off by default; training only)",
+    )
+
+
 def _add_max_batch_size_parser(sub: Any) -> None:
     help_text = "find the largest batch size whose estimated peak is within a memory budget"
     p = sub.add_parser("max-batch-size", help=help_text, description=help_text)
@@ -525,6 +529,7 @@ def _add_max_batch_size_parser(sub: Any) -> None:
         help=f"the largest batch size considered (default {DEFAULT_CAP}; at most 2**31-1)",
     )
     _add_calibrate_flag(p)  # calibrated at --batch-size and half of it, fitted for the other probes
+    _add_replay_flag(p)
     _add_strategy_flags(p)
     _add_gpu_flags(p, memory=False)
 

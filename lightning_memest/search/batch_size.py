@@ -44,6 +44,7 @@ from torch import nn
 from lightning_memest.accounting import PeakProfile, capture_filter, peak_profile
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.constants import DEFAULT_CAP
+from lightning_memest.engine.block_replay import ReplayMismatch
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.simulate import Simulation, simulate
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
@@ -389,6 +390,7 @@ def max_batch_size(
     gpu: CudaDevice | None = None,
     workers: int | None = None,
     calibrate: bool = False,
+    replay_blocks: bool = False,
 ) -> BatchSizeResult:
     """The largest batch size whose training steps' estimated peak is within ``budget_bytes``.
 
@@ -402,6 +404,9 @@ def max_batch_size(
     propagates, with the batch size named. ``calibrate``: the kernels' memory measured on this machine
     (``estimate_step(..., calibrate=True)``) without a real step per probe: ``start`` and half of it
     are calibrated in full and the other probes fitted from them (:func:`search_steps`).
+    ``replay_blocks``: each probe replays repeated blocks (``estimate_step(..., replay_blocks=True)``):
+    the same peaks, in less time on deep models; a probe whose blocks turn out not to repeat is
+    simulated again without.
 
     Example:
         >>> import torch
@@ -416,8 +421,19 @@ def max_batch_size(
     # estimate_step(...).peak_bytes, without FLOPs or the report: a probe only needs the peak.
     capture = capture_filter(flops=False, calibrate=calibrate)
 
+    replay = replay_blocks and strategy is None
+
     def simulate_at(n: int) -> Simulation:
-        sim = simulate(model, make_batch(n), config, device=device, steps=steps, capture=capture)
+        def run(with_replay: bool) -> Simulation:
+            return simulate(
+                model, make_batch(n), config, device=device, steps=steps, capture=capture,
+                replay_blocks=with_replay,
+            )  # fmt: skip
+
+        try:
+            sim = run(replay)
+        except ReplayMismatch:  # the blocks did not repeat after all (as estimate_step does)
+            sim = run(False)
         what_if.append(sim.what_if is not None)
         return sim
 
