@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-import time
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -14,10 +12,9 @@ from torch import nn
 from lightning_memest.accounting import account, capture_filter
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.accounting.kernels.calibrate import calibrate as calibrate_kernels
-from lightning_memest.engine.block_replay import ReplayMismatch
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.inference_step import PlainLoop, loop_runner
-from lightning_memest.engine.simulate import Simulation, simulate
+from lightning_memest.engine.simulate import Simulation, simulate, simulate_replaying
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
 from lightning_memest.report import StepEstimate
 
@@ -146,13 +143,6 @@ def estimate(
             replay_blocks=replay,
         )
 
-    replay = replay_blocks and loop == "train" and config.strategy is None
-    start = time.perf_counter()
-    try:
-        sim = run(replay)
-    except ReplayMismatch:  # the blocks did not repeat after all: the plain simulation, timed with it
-        spent = time.perf_counter() - start
-        sim = run(False)
-        sim = dataclasses.replace(sim, seconds=sim.seconds + spent)
+    sim = simulate_replaying(run, replay_blocks and loop == "train" and config.strategy is None)
     calibration = calibrate_kernels(sim) if calibrate and sim.what_if is None else None
     return account(sim, gpu, calibration, loop=loop)

@@ -44,9 +44,8 @@ from torch import nn
 from lightning_memest.accounting import PeakProfile, capture_filter, peak_profile
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.constants import DEFAULT_CAP
-from lightning_memest.engine.block_replay import ReplayMismatch
 from lightning_memest.engine.distributed import Strategy
-from lightning_memest.engine.simulate import Simulation, simulate
+from lightning_memest.engine.simulate import Simulation, simulate, simulate_replaying
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
 from lightning_memest.errors import EstimationError, one_line
 from lightning_memest.report import format_bytes
@@ -430,10 +429,7 @@ def max_batch_size(
                 replay_blocks=with_replay,
             )  # fmt: skip
 
-        try:
-            sim = run(replay)
-        except ReplayMismatch:  # the blocks did not repeat after all (as estimate_step does)
-            sim = run(False)
+        sim = simulate_replaying(run, replay)
         what_if.append(sim.what_if is not None)
         return sim
 
