@@ -45,7 +45,7 @@ from lightning_memest.accounting.kernels import (
     kernel_fn,
 )
 from lightning_memest.accounting.kernels.cudnn_workspace import (
-    has_convolutions,
+    convolutions,
     has_elastic_workspace,
     smallest_workspaces,
 )
@@ -245,8 +245,10 @@ def account(
         reserved = device_peaks.reserved
         context = memory.gpu.context_bytes
         assumed = memory.gpu.context_assumed
-        smallest = _smallest_workspace_peaks(sim, memory.gpu, memory.kernels)
-        if has_convolutions(sim.events):
+        convs = convolutions(sim.events)
+        if has_elastic_workspace(convs, memory.kernels):
+            smallest = _smallest_workspace_peaks(sim, memory.gpu, memory.kernels)
+        if convs:
             # cuDNN's workspaces are measured only where the kernels were calibrated on a GPU
             workspace_assumed = not isinstance(memory.kernels, CalibratedKernels)
     return StepEstimate(
@@ -280,11 +282,9 @@ def account(
     )
 
 
-def _smallest_workspace_peaks(sim: Simulation, gpu: CudaDevice, kernels: KernelFn) -> tuple[int, ...] | None:
+def _smallest_workspace_peaks(sim: Simulation, gpu: CudaDevice, kernels: KernelFn) -> tuple[int, ...]:
     """The allocated peaks with every cuDNN convolution's workspace at its smallest
-    (``kernels.cudnn_workspace``): a second walk of the caching allocator, only where they differ."""
-    if not has_elastic_workspace(sim.events, kernels):
-        return None
+    (``kernels.cudnn_workspace``): a second walk of the caching allocator."""
     device = _caching_allocator(sim, gpu, smallest_workspaces(kernels))
     walk(sim.events, device)
     return device.peaks.allocated

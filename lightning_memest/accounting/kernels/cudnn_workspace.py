@@ -38,7 +38,7 @@ import torch
 from lightning_memest.accounting.kernels.model import KernelMemory, KernelModel
 from lightning_memest.engine.events import OpCall, OpEvent
 
-__all__ = ["ELASTIC_OPS", "elastic", "has_convolutions", "has_elastic_workspace", "smallest_workspaces"]
+__all__ = ["ELASTIC_OPS", "convolutions", "elastic", "has_elastic_workspace", "smallest_workspaces"]
 
 #: The convolution ops a fake CUDA step records (``convolution`` and its backward; the cuDNN entry
 #: points where a caller reaches them directly): cuDNN runs them when ``torch.backends.cudnn.enabled``.
@@ -69,19 +69,19 @@ def smallest_workspaces(kernels: KernelModel, is_elastic: Callable[[OpCall], boo
     return fn
 
 
+def convolutions(events: Iterable[object]) -> list[OpEvent]:
+    """The step's convolution ops (on CUDA: where a cuDNN workspace is to speak of)."""
+    return [e for e in events if isinstance(e, OpEvent) and e.op in ELASTIC_OPS]
+
+
 def has_elastic_workspace(
-    events: Iterable[object], kernels: KernelModel, is_elastic: Callable[[OpCall], bool] = elastic
+    convs: Iterable[OpEvent], kernels: KernelModel, is_elastic: Callable[[OpCall], bool] = elastic
 ) -> bool:
-    """Whether any op of ``events`` is elastic and holds a workspace by ``kernels``: only then do the
-    smallest-workspace peaks differ from the typical ones."""
-    for e in events:
-        if isinstance(e, OpEvent) and e.call is not None and is_elastic(e.call):
+    """Whether any of the convolutions ``convs`` is elastic and holds a workspace by ``kernels``: only
+    then do the smallest-workspace peaks differ from the typical ones."""
+    for e in convs:
+        if e.call is not None and is_elastic(e.call):
             effect = kernels(e.call)
             if effect is not None and effect.workspace_bytes > 0:
                 return True
     return False
-
-
-def has_convolutions(events: Iterable[object]) -> bool:
-    """Whether the step runs a convolution (on CUDA: a cuDNN workspace to speak of)."""
-    return any(isinstance(e, OpEvent) and e.op in ELASTIC_OPS for e in events)
