@@ -53,6 +53,19 @@ def _compare(
     _same(replayed, estimate_step(model, batch, **kwargs))
 
 
+def _replay_flags(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """The ``replay_blocks`` of each simulation ``estimate_step`` runs from now on, in order."""
+    runs: list[bool] = []
+    simulate = estimate_module.simulate
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        runs.append(kwargs["replay_blocks"])
+        return simulate(*args, **kwargs)
+
+    monkeypatch.setattr(estimate_module, "simulate", counted)
+    return runs
+
+
 def _hf_loss(model: nn.Module, ids: Tensor) -> Tensor:
     return model(input_ids=ids, labels=ids).loss  # type: ignore[no-any-return]
 
@@ -161,16 +174,7 @@ def test_off_by_default_and_without_repeats() -> None:
 def test_a_mismatch_after_replay_simulates_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Block N-2 (the backward's template, run after the stand-ins' forwards) differs: the replayed
     run is thrown away and the step simulated without replay."""
-    import lightning_memest.estimate as estimate_module
-
-    runs: list[bool] = []
-    simulate = estimate_module.simulate
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        runs.append(kwargs["replay_blocks"])
-        return simulate(*args, **kwargs)
-
-    monkeypatch.setattr(estimate_module, "simulate", counted)
+    runs = _replay_flags(monkeypatch)
     model = _stack(lambda i: _Scaled(twice=i == 6))
     est = estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD, replay_blocks=True)
     assert runs == [True, False]
@@ -251,14 +255,7 @@ def test_optimizer_loop_run_otherwise_is_simulated_again(monkeypatch: pytest.Mon
             p.mul_(1.0)
 
     monkeypatch.setattr(adam_module, "_single_tensor_adam", twice)
-    runs: list[bool] = []
-    simulate = estimate_module.simulate
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        runs.append(kwargs["replay_blocks"])
-        return simulate(*args, **kwargs)
-
-    monkeypatch.setattr(estimate_module, "simulate", counted)
+    runs = _replay_flags(monkeypatch)
     model = _stack(lambda i: _Mlp())
     est = estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.Adam, replay_blocks=True)
     assert runs == [True, False]
