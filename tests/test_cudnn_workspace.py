@@ -159,3 +159,27 @@ def test_cuda_conv_step_runs_capped_at_its_smallest_workspace_peak() -> None:
         torch.cuda.synchronize()
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)  # (it ran: over the cap it would have raised OOM)
+
+
+def test_workspaces_are_measured_only_where_every_convolution_was_calibrated() -> None:
+    # A GPU's calibration that measured some convolution signatures but not all (one failed, or the
+    # step's shapes changed): the estimate must still say its workspaces are assumed.
+    from lightning_memest.accounting.kernels import CalibratedKernels, Calibration
+    from lightning_memest.accounting.kernels.calibrate import signature
+    from lightning_memest.accounting.kernels.cudnn_workspace import convolutions, workspaces_assumed
+
+    sim = simulate(
+        convnet(), torch.randn(8, 3, 16, 16), StepConfig(), capture=capture_filter(flops=False), device="cuda"
+    )
+    convs = convolutions(sim.events)
+    keys = sorted({signature(e.call) for e in convs if e.call is not None})
+    assert len(keys) >= 2
+    base = kernel_fn("cuda", what_if=True)
+
+    def kernels(measured: list[str]) -> CalibratedKernels:
+        entries = {k: KernelMemory(workspace_bytes=MiB) for k in measured}
+        return CalibratedKernels(Calibration(entries, "cuda", 0.0, len(entries), 0), base, base)  # type: ignore[arg-type]
+
+    assert workspaces_assumed(convs, base) is True
+    assert workspaces_assumed(convs, kernels(keys[:-1])) is True
+    assert workspaces_assumed(convs, kernels(keys)) is False

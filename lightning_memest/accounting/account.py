@@ -48,6 +48,7 @@ from lightning_memest.accounting.kernels.cudnn_workspace import (
     convolutions,
     has_elastic_workspace,
     smallest_workspaces,
+    workspaces_assumed,
 )
 from lightning_memest.accounting.phase_marks import PhaseMarks
 from lightning_memest.accounting.replay import (
@@ -249,8 +250,7 @@ def account(
         if has_elastic_workspace(convs, memory.kernels):
             smallest = _smallest_workspace_peaks(sim, memory.gpu, memory.kernels)
         if convs:
-            # cuDNN's workspaces are measured only where the kernels were calibrated on a GPU
-            workspace_assumed = not isinstance(memory.kernels, CalibratedKernels)
+            workspace_assumed = workspaces_assumed(convs, memory.kernels)
     return StepEstimate(
         device="cuda" if sim.what_if == "cuda" else str(sim.device),
         precision=sim.precision,

@@ -215,7 +215,8 @@ class StepEstimate:
     workspace (the CPU; a CUDA what-if, where no GPU measured them: see :attr:`cudnn_workspace_assumed`)."""
     cudnn_workspace_assumed: bool | None = None
     """On CUDA with convolutions, whether their cuDNN workspaces are assumed (the smallest, 0 B) rather
-    than measured (calibrated on the GPU); ``None`` on the CPU or without convolutions."""
+    than measured: True unless a calibration on the GPU measured every convolution's signature (one
+    that failed to calibrate keeps the assumption); ``None`` on the CPU or without convolutions."""
     calibration: CalibrationSummary | None = None
     """What calibrating the kernels on this machine took; ``None`` when not calibrated."""
     kernel_sources: tuple[KernelSource, ...] | None = None

@@ -137,6 +137,10 @@ class CalibratedKernels:
         self._memo[key] = result
         return result
 
+    def measured(self, call: OpCall) -> bool:
+        """Whether the calibration measured ``call``'s signature (else the hand model answers it)."""
+        return self.calibration.lookup(call)[0]
+
     def sources(self) -> tuple[KernelSource, ...]:
         """Per op (overload name, sorted): how many of its calls were answered by calibration, by a hand
         model, or by neither (nothing assumed beyond the outputs: a call calibration could not run)."""

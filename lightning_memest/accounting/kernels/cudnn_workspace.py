@@ -35,10 +35,18 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from lightning_memest.accounting.kernels import CalibratedKernels
 from lightning_memest.accounting.kernels.model import KernelMemory, KernelModel
 from lightning_memest.engine.events import OpCall, OpEvent
 
-__all__ = ["ELASTIC_OPS", "convolutions", "elastic", "has_elastic_workspace", "smallest_workspaces"]
+__all__ = [
+    "ELASTIC_OPS",
+    "convolutions",
+    "elastic",
+    "has_elastic_workspace",
+    "smallest_workspaces",
+    "workspaces_assumed",
+]
 
 #: The convolution ops a fake CUDA step records (``convolution`` and its backward; the cuDNN entry
 #: points where a caller reaches them directly): cuDNN runs them when ``torch.backends.cudnn.enabled``.
@@ -85,3 +93,12 @@ def has_elastic_workspace(
             if effect is not None and effect.workspace_bytes > 0:
                 return True
     return False
+
+
+def workspaces_assumed(convs: Iterable[OpEvent], kernels: KernelModel) -> bool:
+    """Whether the cuDNN workspaces of the convolutions ``convs`` are assumed rather than measured:
+    measured only where a GPU's calibration has every one's signature (one that failed to calibrate
+    keeps the hand model's figure)."""
+    if not isinstance(kernels, CalibratedKernels):
+        return True
+    return not all(e.call is not None and kernels.measured(e.call) for e in convs)
