@@ -171,11 +171,26 @@ def test_off_by_default_and_without_repeats() -> None:
     _same(est, estimate_step(model, batch))
 
 
+class _Planned(_Scaled):
+    """A block that looks its kind up at forward time, in a plan all blocks share (as a config list
+    read by layer index would be): nothing before running tells the blocks apart."""
+
+    def __init__(self, index: int, plan: set[int]) -> None:
+        super().__init__()
+        self.index = index
+        self.plan = plan
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.twice = self.index in self.plan
+        return super().forward(x)
+
+
 def test_a_mismatch_after_replay_simulates_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Block N-2 (the backward's template, run after the stand-ins' forwards) differs: the replayed
     run is thrown away and the step simulated without replay."""
     runs = _replay_flags(monkeypatch)
-    model = _stack(lambda i: _Scaled(twice=i == 6))
+    plan = {6}
+    model = _stack(lambda i: _Planned(i, plan))
     est = estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD, replay_blocks=True)
     assert runs == [True, False]
     assert est.replayed_blocks is None
@@ -192,6 +207,36 @@ def test_groups_need_alike_blocks_without_hooks() -> None:
     assert repeated_blocks(hooked) == []  # 0-2 and 4-7 alike, too few on either side
     widths = nn.Sequential(*(nn.Linear(8 + i, 8 + i + 1) for i in range(8)))
     assert repeated_blocks(widths) == []
+
+
+class _Rotary(nn.Module):
+    """A layer whose kind is a plain attribute set from its index (Llama 4's NoPE layers: every fourth
+    without the rotary op), the parameters the same in every kind."""
+
+    def __init__(self, layer_idx: int, period: int = 4) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.layer_idx = layer_idx
+        self.use_rope = (layer_idx + 1) % period != 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.fc(x)
+        return torch.cat([-y[..., 8:], y[..., :8]], dim=-1) * 0.5 + y if self.use_rope else y
+
+
+def test_blocks_of_another_kind_never_stand_in() -> None:
+    """Layers 3 and 7 of twelve skip the rotary op (blocks 1, 2 and N-2 all have it): the run is cut
+    at every change of kind, so no block of the other kind is replayed from a template of this one;
+    the layer index, a distinct number per layer, does not cut it."""
+    model = _stack(_Rotary, n=12)
+    assert repeated_blocks(model) == []
+    est = estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD, replay_blocks=True)
+    assert est.replayed_blocks is None
+    _same(est, estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD))
+    # One kind after another, each run long enough: both replayed, each from its own template.
+    kinds = nn.Sequential(*(_Rotary(i, period=1 if i < 8 else 100) for i in range(16)))
+    assert [len(g.members) for g in repeated_blocks(kinds)] == [8, 8]
+    _compare(kinds, torch.randn(4, 16), {"": 6}, optimizer=torch.optim.SGD)
 
 
 class _Mlp(nn.Module):

@@ -468,6 +468,7 @@ class BlockReplay:
     # --- the step's end ------------------------------------------------------------------------------
     def finish_step(self) -> None:
         """Every replayed group's real instances agree in full, and every stand-in ran its backward."""
+        step: Counter[str] = Counter()  # a container's groups together (runs of two kinds in one list)
         for state in self.groups:
             if not state.replayed:
                 continue
@@ -481,9 +482,10 @@ class BlockReplay:
                 sigs.append(r.signature())
             if not sigs[0] == sigs[1] == sigs[2]:
                 raise ReplayMismatch(f"the blocks of {state.group.path!r} differ in backward")
-            self.replayed[state.group.path] = state.replayed
+            step[state.group.path] += state.replayed
             state.replayed = 0
             state.step = -1
+        self.replayed.update(step)
 
 
 def _path(state: _Group, module: nn.Module) -> str:

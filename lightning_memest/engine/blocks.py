@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import enum
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -104,10 +105,11 @@ def repeated_blocks(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> list[Bloc
             if k is not None and k == key and all(child is not m for _, m in run):
                 run.append((name, child))  # type: ignore[arg-type]
                 continue
-            if len(run) >= min_blocks:
-                members = tuple(f"{path}.{n}" if path else n for n, _ in run)
-                groups.append(BlockGroup(path, members, tuple(m for _, m in run)))
-                taken.extend(members)
+            for part in _same_kinds(run) if len(run) >= min_blocks else ():
+                if len(part) >= min_blocks:
+                    members = tuple(f"{path}.{n}" if path else n for n, _ in part)
+                    groups.append(BlockGroup(path, members, tuple(m for _, m in part)))
+                    taken.extend(members)
             run = [(name, child)] if child is not None and k is not None else []
             key = k
     return groups
@@ -122,6 +124,62 @@ def _global_hooks() -> bool:
         or m._global_backward_hooks
         or m._global_backward_pre_hooks
     )
+
+
+#: The plain values among a module's attributes: what can steer its forward without showing in its
+#: parameters (a layer's kind, ``use_rope``, ``shift_size``, ``is_sliding``).
+_PLAIN = (type(None), bool, int, float, str, torch.dtype)
+_MODULE_STATE = frozenset({"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):  # torchvision's Swin keeps its window shift as a list
+        return all(_plain(v) for v in value)
+    return isinstance(value, _PLAIN) or isinstance(value, enum.Enum)
+
+
+def _attributes(block: nn.Module) -> dict[tuple[str, str], Any]:
+    """The plain-valued attributes of every module in ``block``, keyed by (module path, name)."""
+    found: dict[tuple[str, str], Any] = {}
+    for path, m in block.named_modules():
+        for name, value in vars(m).items():
+            if name not in _MODULE_STATE and not name.startswith("_") and _plain(value):
+                found[(path, name)] = value
+    return found
+
+
+def _same_kinds(run: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
+    """``run`` (alike by structure) cut where a block's *kind* changes: a plain attribute that varies
+    along the run and repeats values (``use_rope`` off every fourth layer, alternating window shifts)
+    steers a forward the structure does not show, so blocks of another kind never stand in for each
+    other. An attribute whose every value is a distinct number (a layer's index, a stochastic-depth
+    rate growing with depth) names an instance, not a kind: blocks 1 and 2 already differ in it, and
+    the replay's signature checks compare what it changes."""
+    seen = [_attributes(m) for _, m in run]
+    kinds: list[tuple[str, str]] = []
+    for key in sorted(set().union(*seen)):
+        values = [a.get(key, _MISSING) for a in seen]
+        if all(v == values[0] and type(v) is type(values[0]) for v in values):
+            continue
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        if numbers and len(set(values)) == len(values):
+            continue
+        kinds.append(key)
+    if not kinds:
+        return [run]
+    parts: list[list[tuple[str, nn.Module]]] = []
+    last: Any = _MISSING
+    for member, attrs in zip(run, seen, strict=True):
+        kind = tuple((type(attrs.get(k)), attrs.get(k, _MISSING)) for k in kinds)
+        if parts and kind == last:
+            parts[-1].append(member)
+        else:
+            parts.append([member])
+        last = kind
+    return parts
+
+
+_MISSING = object()
 
 
 def _structure(block: nn.Module) -> Any:
