@@ -128,14 +128,14 @@ def _global_hooks() -> bool:
 
 #: The plain values among a module's attributes: what can steer its forward without showing in its
 #: parameters (a layer's kind, ``use_rope``, ``shift_size``, ``is_sliding``).
-_PLAIN = (type(None), bool, int, float, str, torch.dtype)
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, enum.Enum)
 _MODULE_STATE = frozenset({"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 
 
 def _plain(value: Any) -> bool:
     if isinstance(value, (tuple, list)):  # torchvision's Swin keeps its window shift as a list
         return all(_plain(v) for v in value)
-    return isinstance(value, _PLAIN) or isinstance(value, enum.Enum)
+    return isinstance(value, _PLAIN)
 
 
 def _attributes(block: nn.Module) -> dict[tuple[str, str], Any]:
