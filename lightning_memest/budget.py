@@ -228,8 +228,7 @@ def precheck(
     at = f" at batch size {batch_size}" if batch_size is not None else ""
     what = what or what_runs(estimate.loop)
     least = (
-        f" with cuDNN's smallest convolution workspaces ({format_bytes(typical)} with the plans it "
-        "prefers)"
+        f" with cuDNN's smallest convolution workspaces ({format_bytes(typical)} with the plans it prefers)"
         if peak != typical
         else ""
     )

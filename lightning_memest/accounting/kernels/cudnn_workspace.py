@@ -60,6 +60,7 @@ ELASTIC_OPS = frozenset(
     }
 )
 
+
 def elastic(call: OpCall) -> bool:
     """Whether ``call`` is a CUDA convolution whose workspace cuDNN's plan fallback can shrink."""
     return call.device_type == "cuda" and torch.backends.cudnn.enabled and str(call.op) in ELASTIC_OPS
