@@ -35,7 +35,7 @@ def estimate_step(
     calibrate: bool = False,
     next_batches: Sequence[Any] = (),
     loop: PlainLoop = "train",
-    replay_blocks: bool = False,
+    replay_blocks: bool = True,
 ) -> StepEstimate:
     """Estimate the peak memory of training steps of ``model`` on ``batch``, without running them.
 
@@ -74,11 +74,13 @@ def estimate_step(
             or ``"predict"`` (the forward pass under ``torch.inference_mode``); one batch is
             simulated (``steps`` is for training), no optimizer runs, and ``StepEstimate.loop`` says
             which.
-        replay_blocks: simulate a few instances of each run of alike blocks (a decoder's layers, a
-            ViT's encoder blocks) and replay their events for the others, wherever the checks of
-            ``engine.block_replay`` find that they repeat (said in ``StepEstimate.replayed_blocks``);
-            the same figures to the byte, faster for deep models. Where a check fails after a block
-            was replayed, the step is simulated again without replay (its code runs twice).
+        replay_blocks: simulate a few instances of each run of six or more alike blocks (a decoder's
+            layers, a ViT's encoder blocks) and replay their events for the others, wherever the
+            checks of ``engine.block_replay`` find that they repeat (said in
+            ``StepEstimate.replayed_blocks``): the same figures to the byte, in a time that hardly
+            grows with depth. Where a check fails after a block was replayed, the step is simulated
+            again without replay (its code runs once more). Training only, without a ``strategy``;
+            ``False``: every block simulated.
 
     Example:
         >>> import torch
@@ -117,7 +119,7 @@ def estimate(
     calibrate: bool = False,
     next_batches: Sequence[Any] = (),
     loop: PlainLoop = "train",
-    replay_blocks: bool = False,
+    replay_blocks: bool = True,
 ) -> StepEstimate:
     """:func:`estimate_step` for a step already described by a :class:`StepConfig` (what the CLI's cases
     and scripts hold): the simulation on fake tensors, then its accounting.

@@ -50,7 +50,7 @@ def _compare(
     assert replayed.replayed_blocks == expected
     if updates is not None:
         assert sims[-1].replayed_updates == updates
-    _same(replayed, estimate_step(model, batch, **kwargs))
+    _same(replayed, estimate_step(model, batch, replay_blocks=False, **kwargs))
 
 
 def _replay_flags(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
@@ -161,16 +161,6 @@ def _stack(make: Callable[[int], nn.Module], n: int = 8) -> nn.Sequential:
     return nn.Sequential(*(make(i) for i in range(n)))
 
 
-def test_off_by_default_and_without_repeats() -> None:
-    batch = torch.randn(4, 16)
-    assert estimate_step(_stack(lambda i: _Scaled()), batch).replayed_blocks is None
-    # Blocks 1 and 2 differ: no block is replayed, nothing run twice.
-    model = _stack(lambda i: _Scaled(twice=i == 2))
-    est = estimate_step(model, batch, replay_blocks=True)
-    assert est.replayed_blocks is None
-    _same(est, estimate_step(model, batch))
-
-
 class _Planned(_Scaled):
     """A block that looks its kind up at forward time, in a plan all blocks share (as a config list
     read by layer index would be): nothing before running tells the blocks apart."""
@@ -185,6 +175,20 @@ class _Planned(_Scaled):
         return super().forward(x)
 
 
+def test_on_by_default_off_by_the_flag_and_without_repeats(monkeypatch: pytest.MonkeyPatch) -> None:
+    batch = torch.randn(4, 16)
+    assert estimate_step(_stack(lambda i: _Scaled()), batch).replayed_blocks == {"": 3}
+    assert estimate_step(_stack(lambda i: _Scaled()), batch, replay_blocks=False).replayed_blocks is None
+    # Blocks 1 and 2 differ (in what they do, not in what they are): no block is replayed, nothing
+    # run twice.
+    runs = _replay_flags(monkeypatch)
+    plan = {2}
+    model = _stack(lambda i: _Planned(i, plan))
+    est = estimate_step(model, batch)
+    assert runs == [True] and est.replayed_blocks is None
+    _same(est, estimate_step(model, batch, replay_blocks=False))
+
+
 def test_a_mismatch_after_replay_simulates_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """Block N-2 (the backward's template, run after the stand-ins' forwards) differs: the replayed
     run is thrown away and the step simulated without replay."""
@@ -194,7 +198,7 @@ def test_a_mismatch_after_replay_simulates_again(monkeypatch: pytest.MonkeyPatch
     est = estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD, replay_blocks=True)
     assert runs == [True, False]
     assert est.replayed_blocks is None
-    _same(est, estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD))
+    _same(est, estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD, replay_blocks=False))
 
 
 def test_groups_need_alike_blocks_without_hooks() -> None:
@@ -232,7 +236,7 @@ def test_blocks_of_another_kind_never_stand_in() -> None:
     assert repeated_blocks(model) == []
     est = estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD, replay_blocks=True)
     assert est.replayed_blocks is None
-    _same(est, estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD))
+    _same(est, estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD, replay_blocks=False))
     # One kind after another, each run long enough: both replayed, each from its own template.
     kinds = nn.Sequential(*(_Rotary(i, period=1 if i < 8 else 100) for i in range(16)))
     assert [len(g.members) for g in repeated_blocks(kinds)] == [8, 8]
@@ -305,4 +309,4 @@ def test_optimizer_loop_run_otherwise_is_simulated_again(monkeypatch: pytest.Mon
     est = estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.Adam, replay_blocks=True)
     assert runs == [True, False]
     assert est.replayed_blocks is None
-    _same(est, estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.Adam))
+    _same(est, estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.Adam, replay_blocks=False))

@@ -60,10 +60,10 @@ from lightning_memest.accounting.replay import (
     final_roles,
     walk,
 )
-from lightning_memest.engine.events import Phase, Role
+from lightning_memest.engine.events import OpEvent, Phase, Role
 from lightning_memest.engine.simulate import Simulation
 from lightning_memest.engine.tracker import CaptureFilter
-from lightning_memest.report import Breakdown, Peak, StepEstimate, TimelinePoint
+from lightning_memest.report import Breakdown, KernelSource, Peak, StepEstimate, TimelinePoint
 
 __all__ = ["PeakProfile", "account", "capture_filter", "live_bytes", "peak_bytes", "peak_profile"]
 
@@ -211,6 +211,13 @@ def peak_profile(
 
 
 @_without_cyclic_gc
+def _kernel_sources(sim: Simulation, kernels: KernelFn) -> tuple[KernelSource, ...] | None:
+    """Where each op event's kernel memory came from, for a calibrated estimate (else ``None``)."""
+    if not isinstance(kernels, CalibratedKernels):
+        return None
+    return kernels.sources(e.call for e in sim.events if type(e) is OpEvent and e.call is not None)
+
+
 def account(
     sim: Simulation,
     gpu: CudaDevice | None = None,
@@ -272,7 +279,7 @@ def account(
         smallest_workspace_peaks=smallest,
         cudnn_workspace_assumed=workspace_assumed,
         calibration=calibration.summary() if calibration is not None else None,
-        kernel_sources=memory.kernels.sources() if isinstance(memory.kernels, CalibratedKernels) else None,
+        kernel_sources=_kernel_sources(sim, memory.kernels),
         batch_shapes=sim.batch_shapes,
         reads_values=sim.value_reads > 0,
         loop=loop,

@@ -71,7 +71,9 @@ class MemEstimate(ModelSummary):
 
     Kernels' memory beyond their outputs (workspaces, reorders) is measured on the device
     (``calibrate=True``, the default): each distinct op signature runs once, alone, at its shapes, a
-    fraction of one real step, cached per machine (``MEMEST_CACHE_DIR``).
+    fraction of one real step, cached per machine (``MEMEST_CACHE_DIR``). Runs of six or more alike
+    blocks (a decoder's layers) are simulated a few blocks each and replayed for the rest where they
+    repeat (``replay_blocks=True``, the default; the same figures, see ``estimate_step``).
 
     It takes the place of Lightning's ``ModelSummary`` (``max_depth`` and ``header_style`` as there). A
     failure while estimating or measuring is one warning, the same on every rank, never an error; an
@@ -109,6 +111,7 @@ class MemEstimate(ModelSummary):
         memory_budget: int | str | None = None,
         memory_margin_bytes: int | None = None,
         checkpointing: Literal["off", "auto"] = "off",
+        replay_blocks: bool = True,
         **summarize_kwargs: Any,
     ) -> None:
         budget = check_options(
@@ -117,7 +120,7 @@ class MemEstimate(ModelSummary):
             checkpointing=checkpointing,
             memory_budget=memory_budget,
             margin_bytes=memory_margin_bytes,
-            flags={"check": check, "calibrate": calibrate},
+            flags={"check": check, "calibrate": calibrate, "replay_blocks": replay_blocks},
             summarize_kwargs=summarize_kwargs,
         )
         super().__init__(max_depth=max_depth, **summarize_kwargs)
@@ -130,6 +133,7 @@ class MemEstimate(ModelSummary):
         what the device has."""
         self.memory_margin_bytes = memory_margin_bytes
         self.checkpointing = checkpointing
+        self.replay_blocks = replay_blocks
         self.plan: CheckpointPlan | None = None
         """The checkpointing plan ``checkpointing="auto"`` applied (``None``: none was needed, or none
         fitted)."""
@@ -152,7 +156,7 @@ class MemEstimate(ModelSummary):
         self._measure_failure: str | None = None  # why this rank's measurement stopped, if it did
         self._steps_started = 0
         self._guard = Guard()
-        self._batches = FitBatches(calibrate)
+        self._batches = FitBatches(calibrate, replay_blocks)
         self._summarized = False
         self._trying = True  # estimating has not failed
         self._silenced: list[tuple[ModelSummary, int]] = []  # other summaries, off for this fit
@@ -191,7 +195,7 @@ class MemEstimate(ModelSummary):
         # A new fit: nothing of an earlier one carries over.
         self.estimate, self.estimates, self.measured, self.setup_seconds = None, {}, [], None
         self.setup_cost, self.plan = None, None
-        self._batches = FitBatches(self.calibrate)
+        self._batches = FitBatches(self.calibrate, self.replay_blocks)
         self._batches.scan = self._loops.scan  # this call's (setup)
         self._summarized, self._trying, self._guard = False, True, Guard()
         self._close_probe()  # an earlier fit that ended inside its measured steps

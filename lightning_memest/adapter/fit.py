@@ -32,7 +32,7 @@ from lightning_memest.adapter.batch_index import IndexReads
 from lightning_memest.adapter.runner import LightningRunner
 from lightning_memest.adapter.weight_averaging import WeightAveragingMirror
 from lightning_memest.engine.distributed import DDP, Strategy, fsdp_like
-from lightning_memest.engine.simulate import Simulation, simulate
+from lightning_memest.engine.simulate import Simulation, simulate, simulate_replaying
 from lightning_memest.engine.step import Precision, StepConfig, StepListener, autocast, check_precision
 from lightning_memest.errors import EstimationError
 from lightning_memest.report import StepEstimate
@@ -70,6 +70,9 @@ class FitSetup:
     the batch in hand, never a later one (``adapter/batch_index.py``)."""
     index_reads: IndexReads = field(default_factory=IndexReads)
     """Whether a simulated step's code read its ``batch_idx``."""
+    replay_blocks: bool = True
+    """Whether repeated blocks are replayed (``estimate_step``'s ``replay_blocks``; never under a
+    strategy): the callback's ``replay_blocks``."""
 
     def runner(self, module: nn.Module, config: StepConfig, listener: StepListener) -> LightningRunner:
         """The engine's runner factory: the fit loop's order of things, for ``module``."""
@@ -104,19 +107,24 @@ class FitSetup:
         records only what memory needs; ``calibrate`` records what calibration needs; ``next_batches``
         and ``residents`` as in ``engine.simulate``)."""
         averaging = self.averaging
-        with averaging.kept() if averaging is not None else contextlib.nullcontext():
-            return simulate(
-                self.module,
-                batch,
-                self.config,
-                runner=self.runner,
-                device=self.device,
-                steps=steps,
-                capture=capture_filter(flops=flops, calibrate=calibrate),
-                next_batches=next_batches,
-                residents=residents,
-                companions=averaging.companions if averaging is not None else (),
-            )
+
+        def run(replay: bool) -> Simulation:
+            with averaging.kept() if averaging is not None else contextlib.nullcontext():
+                return simulate(
+                    self.module,
+                    batch,
+                    self.config,
+                    runner=self.runner,
+                    device=self.device,
+                    steps=steps,
+                    capture=capture_filter(flops=flops, calibrate=calibrate),
+                    next_batches=next_batches,
+                    residents=residents,
+                    companions=averaging.companions if averaging is not None else (),
+                    replay_blocks=replay,
+                )
+
+        return simulate_replaying(run, self.replay_blocks and self.config.strategy is None)
 
     def varied(self, *, precision: Precision | None = None, strategy: Strategy | None = None) -> FitSetup:
         """This fit with another precision (its autocast, or its dtype for ``*-true``) or data
@@ -198,11 +206,13 @@ def fit_setup(
     *,
     transferred: bool = False,
     batch_indices: Sequence[int] = (0,),
+    replay_blocks: bool = True,
 ) -> FitSetup:
     """Read what the simulation needs from ``trainer`` and its ``module`` (attached: from ``setup`` on):
     the settings, and a training batch (``batch``, or else the first of the train dataloader, see
     :func:`first_batch`; ``transferred``: ``batch`` is as the step gets it; ``batch_indices``: the
-    ``batch_idx`` of each simulated step's batch). An ``EstimationError`` for what it cannot simulate
+    ``batch_idx`` of each simulated step's batch; ``replay_blocks``: :attr:`FitSetup.replay_blocks`).
+    An ``EstimationError`` for what it cannot simulate
     (a precision, a sharded strategy)."""
     return FitSetup(
         module=module,
@@ -216,6 +226,7 @@ def fit_setup(
         step_context=trainer.precision_plugin.train_step_context,
         averaging=WeightAveragingMirror.of(trainer),
         batch_indices=tuple(batch_indices),
+        replay_blocks=replay_blocks,
     )
 
 

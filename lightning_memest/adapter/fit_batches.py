@@ -142,8 +142,9 @@ def resident_at_start(
 class FitBatches:
     """The estimates of one fit's training batches (see the module docstring)."""
 
-    def __init__(self, calibrate: bool) -> None:
+    def __init__(self, calibrate: bool, replay_blocks: bool = True) -> None:
         self.calibrate = calibrate
+        self.replay_blocks = replay_blocks
         self.scan: LiveTensorScan | None = None
         """The trainer call's scan for other live tensors (the callback's, set at ``setup``)."""
         self.first: Any = None
@@ -170,7 +171,10 @@ class FitBatches:
         given: bool,
         indices: Sequence[int],
     ) -> FitSetup:
-        return fit_setup(trainer, module, batch, transferred=not given, batch_indices=indices)
+        replay = self.replay_blocks
+        return fit_setup(
+            trainer, module, batch, transferred=not given, batch_indices=indices, replay_blocks=replay
+        )
 
     def _calibration(self, measuring: bool) -> bool | Literal["cached"]:
         # While the CPU profiler measures a step, calibration may not run a profiler of its own.

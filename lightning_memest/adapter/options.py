@@ -9,7 +9,7 @@ Example:
     ...               flags={}, summarize_kwargs={"memory_budjet": "1KiB"})
     Traceback (most recent call last):
     ...
-    TypeError: MemEstimate() got an unexpected keyword argument 'memory_budjet'; its arguments are max_depth, check, calibrate, example_batch, memory_check, memory_budget, memory_margin_bytes, checkpointing, header_style
+    TypeError: MemEstimate() got an unexpected keyword argument 'memory_budjet'; its arguments are max_depth, check, calibrate, example_batch, memory_check, memory_budget, memory_margin_bytes, checkpointing, replay_blocks, header_style
 """  # noqa: E501
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ ARGUMENTS = (
     "memory_budget",
     "memory_margin_bytes",
     "checkpointing",
+    "replay_blocks",
 )
 
 _CHECKS = ("off", "warn", "raise")

@@ -393,7 +393,7 @@ def estimate_case(
     gpu: CudaDevice | None = None,
     calibrate: bool = False,
     loop: PlainLoop = "train",
-    replay_blocks: bool = False,
+    replay_blocks: bool = True,
 ) -> StepEstimate:
     """Estimate the case (the model is untouched; with a ``strategy``, as one rank of it; with
     ``calibrate``, the kernels measured on this machine; ``loop``: a training step, or one validation

@@ -442,6 +442,7 @@ def _plan(settings: Settings, out: TextIO) -> None:
             gpu=settings.gpu,
             calibrate=args.calibrate,
             max_batch_size=args.search_batch,
+            replay_blocks=args.replay_blocks,
         )
     if not plan.fits:
         print(f"{PROG}: no checkpointing of these modules fits: {plan.describe()}", file=sys.stderr)

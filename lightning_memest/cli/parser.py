@@ -495,10 +495,12 @@ def _add_profile_parser(sub: Any) -> None:
 def _add_replay_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--replay-blocks",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="simulate a few of each run of six or more alike blocks (a decoder's layers) and "
         "replay their events for the others, where checks find that they repeat: the same "
-        "figures, in a time that hardly grows with depth (off by default; training only)",
+        "figures, in a time that hardly grows with depth (on by default; training only; "
+        "--no-replay-blocks simulates every block)",
     )
 
 
@@ -569,6 +571,7 @@ def _add_plan_parser(sub: Any) -> None:
         help="also find the largest batch size that fits the budget with the plan",
     )
     _add_calibrate_flag(p)
+    _add_replay_flag(p)
     _add_strategy_flags(p)
     _add_gpu_flags(p, memory=False)
 

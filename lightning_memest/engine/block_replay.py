@@ -94,6 +94,7 @@ class _Call:
     real: dict[int, int] = field(default_factory=dict)  # handle -> storage key, for bound storages
     keep: list[Tensor] = field(default_factory=list)
     grad_output: int | None = None
+    grads_before: tuple[int | None, ...] = ()  # the parameters' gradients as the backward began
     device: torch.device | None = None  # the input's: where the stand-in makes its tensors
     paths: dict[str, str] = field(default_factory=dict)  # a template's module path -> this call's
 
@@ -229,11 +230,13 @@ class BlockReplay:
         x, y = graded_in[0], graded_out[0]
         assert x.grad_fn is not None and y.grad_fn is not None
         params = list(module.parameters())
-        y.grad_fn.register_prehook(self._backward_start(record, y.output_nr))
+        y.grad_fn.register_prehook(self._backward_start(record, y.output_nr, params))
         x.grad_fn.register_prehook(self._backward_end(record, x.output_nr, params))
         return out
 
-    def _backward_start(self, record: BlockRecord, nr: int) -> Callable[[Any], None]:
+    def _backward_start(
+        self, record: BlockRecord, nr: int, params: list[nn.Parameter]
+    ) -> Callable[[Any], None]:
         events = self.tracker.events
         tracker = self.tracker
 
@@ -249,6 +252,7 @@ class BlockReplay:
                 at -= 1
             record.backward_start = at
             record.real_before = Counter(tracker.real_ops)
+            record.grads_before = tuple(None if p.grad is None else tracker.handle_of(p.grad) for p in params)
             g = grads[nr]
             record.grad_output = None if g is None else tracker.handle_of(g)
 
@@ -344,6 +348,10 @@ class BlockReplay:
         call.grad_output = h
         call.real.setdefault(h, grad.untyped_storage()._cdata)
         assert template.backward is not None and template.grad_input is not None
+        # Gradients accumulated into (a second micro-batch): the template's add_ names them.
+        call.grads_before = tuple(
+            None if p.grad is None else tracker.handle_of(p.grad) for p in call.param_objects
+        )
         self._emit(template.backward, call, Phase.BACKWARD)
         tracker.real_ops.update(template.backward_real)
         assert template.grad_input_layout is not None and dense(template.grad_input_layout)
@@ -357,6 +365,10 @@ class BlockReplay:
         self._bind(call, grad_in, template.grad_input)
         for p, (canon, lay) in zip(call.param_objects, template.param_grads, strict=True):
             if canon is None or lay is None:
+                continue
+            if canon[0] == "pg":  # accumulated in place by the template's events: it stays
+                if p.grad is None or layout_of(p.grad) != lay:
+                    raise ReplayMismatch(f"a parameter of block {call.block} has no gradient to add to")
                 continue
             if p.grad is not None:
                 raise ReplayMismatch(f"a parameter of block {call.block} already had a gradient")
@@ -401,6 +413,8 @@ class BlockReplay:
             h = call.buffers[n]
         elif kind == "go":
             h = call.grad_output
+        elif kind == "pg":
+            h = call.grads_before[n] if n < len(call.grads_before) else None
         else:
             return n
         if h is None:

@@ -83,16 +83,21 @@ def forward_template(record: BlockRecord, sig: tuple[Any, ...]) -> Template | No
 
 def backward_into(template: Template, record: BlockRecord, sig: tuple[Any, ...]) -> bool:
     """Put ``record``'s (block N-2's) backward into ``template``; ``False`` where what it leaves alive
-    is not exactly the input's gradient and the parameters' (what a stand-in makes for real)."""
+    is not exactly the input's gradient and the parameters' (what a stand-in makes for real). A
+    parameter's gradient is either new (a storage the backward made) or the one it held before,
+    accumulated into in place (``("pg", j)``: the ``j``-th parameter's own)."""
     backward, (grad_input, layout, param_grads) = sig[5], sig[6]
     if backward is None or grad_input is None or layout is None:
         return False
     freed = {ins[1] for ins in backward if ins[0] == "free"}
-    if any(c[0] in ("p", "b") for c in freed):
+    if any(c[0] in ("p", "b", "pg") for c in freed):
         return False
     left = {ins[1] for ins in backward if ins[0] == "alloc"} - freed
-    made = {c for c, _ in param_grads if c is not None}
-    if len(made) != sum(c is not None for c, _ in param_grads):
+    kept = [c for c, _ in param_grads if c is not None and c[0] == "pg"]
+    if any(c != ("pg", j) for j, (c, _) in enumerate(param_grads) if c is not None and c[0] == "pg"):
+        return False
+    made = {c for c, _ in param_grads if c is not None and c[0] != "pg"}
+    if len(made) + len(kept) != sum(c is not None for c, _ in param_grads):
         return False
     # The input's gradient is a storage the backward made, or the output's gradient itself: autograd
     # adds a residual's two gradients into the one it holds last (``Tracker._accumulate_in_place``).

@@ -56,8 +56,9 @@ __all__ = [
 MIN_BLOCKS = 6
 
 #: A storage handle renamed: ``("i", n)`` the ``n``-th storage the block allocated, ``("in", k)`` its
-#: ``k``-th input tensor's, ``("p", j)`` / ``("b", j)`` its parameters' and buffers', ``("go", 0)`` the
-#: gradient of its output, ``("ext", h)`` any other storage (shared by every instance, or the
+#: ``k``-th input tensor's, ``("p", j)`` / ``("b", j)`` its parameters' and buffers', ``("pg", j)`` the
+#: gradient its ``j``-th parameter held before the backward, ``("go", 0)`` the gradient of its output,
+#: ``("ext", h)`` any other storage (shared by every instance, or the
 #: signatures differ).
 Canon = tuple[str, int]
 
@@ -234,6 +235,9 @@ class BlockRecord:
     backward_start: int | None = None
     """Where in the stream the backward began (set as it begins)."""
     grad_output: int | None = None
+    grads_before: tuple[int | None, ...] = ()
+    """The storage handle of each parameter's gradient as the backward began (``None``: none yet);
+    a gradient accumulated into in place (``accumulate_grad_batches``) is named by its parameter."""
     grad_input: int | None = None
     grad_input_layout: Layout | None = None
     param_grads: tuple[tuple[int | None, Layout | None], ...] = ()
@@ -265,6 +269,9 @@ class BlockRecord:
             for k, h in enumerate(handles):
                 if h == handle:
                     return (kind, k)
+        for j, h in enumerate(self.grads_before):
+            if h == handle:
+                return ("pg", j)
         if handle == self.grad_output:
             return ("go", 0)
         return ("ext", handle)

@@ -33,7 +33,7 @@ from torch import nn
 from lightning_memest.accounting import capture_filter
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.engine.distributed import Strategy
-from lightning_memest.engine.simulate import Simulation, simulate
+from lightning_memest.engine.simulate import Simulation, simulate, simulate_replaying
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
 from lightning_memest.errors import EstimationError, one_line
 from lightning_memest.plan.candidates import candidates as find_candidates
@@ -67,30 +67,37 @@ def plan_checkpointing(
     gpu: CudaDevice | None = None,
     calibrate: bool = False,
     max_batch_size: bool = False,
+    replay_blocks: bool = True,
 ) -> CheckpointPlan:
     """The activation-checkpointing plan with the least recompute whose estimated peak is within
     ``budget`` (bytes or a size such as ``"24GiB"``), for training steps of ``model`` on ``batch``.
 
     The arguments after ``budget`` but ``modules``, ``kinds`` and ``max_batch_size`` are
-    :func:`~lightning_memest.estimate_step`'s. The candidates are ``model``'s repeated blocks
-    (transformer layers, residual blocks) and the ``modules`` named (qualified names); ``kinds`` the
-    checkpointing offered: ``"full"`` and ``"selective"`` (torch's selective checkpointing saving the
-    matrix products, see ``plan.checkpointing``). With ``max_batch_size``, the plan also says the
-    largest batch size that fits with it (a batch-size search over the planned step). ``model`` is
-    left as it was; ``plan.apply(model)`` applies the plan.
+    :func:`~lightning_memest.estimate_step`'s (``replay_blocks``: every plan's simulation replays the
+    blocks that still repeat under it, runs of blocks checkpointed alike). The candidates are
+    ``model``'s repeated blocks (transformer layers, residual blocks) and the ``modules`` named
+    (qualified names); ``kinds`` the checkpointing offered: ``"full"`` and ``"selective"`` (torch's
+    selective checkpointing saving the matrix products, see ``plan.checkpointing``). With
+    ``max_batch_size``, the plan also says the largest batch size that fits with it (a batch-size
+    search over the planned step). ``model`` is left as it was; ``plan.apply(model)`` applies the
+    plan.
     """
     config = StepConfig(loss_fn, optimizer, cast(Precision, precision), strategy)
 
     def run(b: Any, *, flops: bool, calibrate: bool, next_batches: Sequence[Any] = ()) -> Simulation:
-        return simulate(
-            model,
-            b,
-            config,
-            device=device,
-            steps=steps,
-            capture=capture_filter(flops=flops, calibrate=calibrate),
-            next_batches=next_batches,
-        )
+        def simulated(replay: bool) -> Simulation:
+            return simulate(
+                model,
+                b,
+                config,
+                device=device,
+                steps=steps,
+                capture=capture_filter(flops=flops, calibrate=calibrate),
+                next_batches=next_batches,
+                replay_blocks=replay,
+            )
+
+        return simulate_replaying(simulated, replay_blocks and strategy is None)
 
     step = SizedStep(run, batch, calibrate=calibrate, gpu=gpu)
     return plan_step(step, model, budget, modules=modules, kinds=kinds, max_batch_size=max_batch_size)

@@ -389,7 +389,7 @@ def max_batch_size(
     gpu: CudaDevice | None = None,
     workers: int | None = None,
     calibrate: bool = False,
-    replay_blocks: bool = False,
+    replay_blocks: bool = True,
 ) -> BatchSizeResult:
     """The largest batch size whose training steps' estimated peak is within ``budget_bytes``.
 
@@ -403,9 +403,9 @@ def max_batch_size(
     propagates, with the batch size named. ``calibrate``: the kernels' memory measured on this machine
     (``estimate_step(..., calibrate=True)``) without a real step per probe: ``start`` and half of it
     are calibrated in full and the other probes fitted from them (:func:`search_steps`).
-    ``replay_blocks``: each probe replays repeated blocks (``estimate_step(..., replay_blocks=True)``):
-    the same peaks, in less time on deep models; a probe whose blocks turn out not to repeat is
-    simulated again without.
+    ``replay_blocks`` (default): each probe replays repeated blocks as ``estimate_step`` does: the
+    same peaks, in less time on deep models; a probe whose blocks turn out not to repeat is simulated
+    again without; ``False``: every block of every probe simulated.
 
     Example:
         >>> import torch

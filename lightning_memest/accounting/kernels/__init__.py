@@ -22,7 +22,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch._ops import OpOverload
@@ -111,40 +111,48 @@ def kernel_fn(
 
 class CalibratedKernels:
     """Measured kernel memory where the calibration has the call's signature, the hand model elsewhere;
-    it counts, per op, where its answers came from (:meth:`sources`). Answers are remembered per call
-    object, so the two replays of a CUDA simulation look each signature up once."""
+    it says, per op, where its answers came from (:meth:`sources`). Answers are remembered per call
+    object, so the two replays of a CUDA simulation look each signature up once (and a replayed
+    block's events, which share their template's call objects, too)."""
 
     def __init__(self, calibration: Calibration, hand: KernelFn, registry: OpRegistry[Any]) -> None:
         self.calibration = calibration
         self.hand = hand
         self.registry = registry
-        self._memo: dict[int, KernelMemory | None] = {}
-        self._counts: dict[str, list[int]] = {}  # op -> [calibrated, modelled, uncovered]
+        self._memo: dict[int, tuple[KernelMemory | None, int | None]] = {}  # id -> (answer, source)
 
     def __call__(self, call: OpCall) -> KernelMemory | None:
         key = id(call)
-        if key in self._memo:
-            return self._memo[key]
+        known = self._memo.get(key)
+        if known is not None:
+            return known[0]
         found, result = self.calibration.lookup(call)
         if found:
-            slot = 0
+            slot: int | None = 0
         else:
             result = self.hand(call)
             # Modelled: a hand model, or the rule that such a call allocates only its outputs.
             slot = 1 if self.registry.lookup(call.op) is not None or outputs_only(call) else 2
-        if found or slot == 1 or calibratable(call.op):
-            self._counts.setdefault(str(call.op), [0, 0, 0])[slot] += 1
-        self._memo[key] = result
+        if not (found or slot == 1 or calibratable(call.op)):
+            slot = None  # an op calibration has nothing to say about: not counted
+        self._memo[key] = (result, slot)
         return result
 
     def measured(self, call: OpCall) -> bool:
         """Whether the calibration measured ``call``'s signature (else the hand model answers it)."""
         return self.calibration.lookup(call)[0]
 
-    def sources(self) -> tuple[KernelSource, ...]:
-        """Per op (overload name, sorted): how many of its calls were answered by calibration, by a hand
-        model, or by neither (nothing assumed beyond the outputs: a call calibration could not run)."""
-        return tuple(KernelSource(op, *counts) for op, counts in sorted(self._counts.items()))
+    def sources(self, calls: Iterable[OpCall]) -> tuple[KernelSource, ...]:
+        """Per op (overload name, sorted): how many of ``calls`` (the step's, one per op event) this
+        answered by calibration, by a hand model, or by neither (nothing assumed beyond the outputs: a
+        call calibration could not run)."""
+        counts: dict[str, list[int]] = {}  # op -> [calibrated, modelled, uncovered]
+        memo = self._memo
+        for call in calls:
+            known = memo.get(id(call))
+            if known is not None and known[1] is not None:
+                counts.setdefault(str(call.op), [0, 0, 0])[known[1]] += 1
+        return tuple(KernelSource(op, *c) for op, c in sorted(counts.items()))
 
 
 def captures_kernel(op: OpOverload) -> bool:
