@@ -146,7 +146,7 @@ FAMILIES: dict[str, Callable[[], Case]] = {
 
 def compare(build: Callable[[], Case]) -> str:
     model, batch, kw = build()
-    full = estimate_step(model, batch, **kw)
+    full = estimate_step(model, batch, replay_blocks=False, **kw)
     replay = estimate_step(model, batch, replay_blocks=True, **kw)
     a, b = full.to_json(), replay.to_json()
     for d in (a, b):

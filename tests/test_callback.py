@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import Tensor, nn
@@ -186,6 +187,27 @@ class ManualModule(Classifier):
         return loss
 
 
+class ToggledManualModule(ManualModule):
+    """Manual optimization as Lightning's docs write it, with the ``LightningOptimizer``'s own API: an
+    ``isinstance`` check, ``toggle_model``, a closure given to ``step``, ``.optimizer``."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        opt = self.optimizers()
+        assert isinstance(opt, LightningOptimizer) and isinstance(opt, torch.optim.AdamW)
+        x, y = batch
+
+        def closure() -> Tensor:
+            loss = F.cross_entropy(self(x), y)
+            opt.zero_grad()
+            self.manual_backward(loss)
+            return loss
+
+        with opt.toggle_model():
+            loss = opt.step(closure=closure)
+        self.log("lr", opt.optimizer.param_groups[0]["lr"])
+        return loss  # type: ignore[no-any-return]
+
+
 class DictBatchModule(Classifier):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         return F.cross_entropy(self(batch["image"]), batch["label"])
@@ -207,6 +229,8 @@ class DictBatchModule(Classifier):
         (Classifier, {"accumulate_grad_batches": 4, "max_steps": 2}),
         (Classifier, {"gradient_clip_val": 0.5}),
         (ManualModule, {"precision": "16-mixed"}),
+        (ToggledManualModule, {}),
+        (ToggledManualModule, {"precision": "16-mixed"}),
     ],
     ids=[
         "caching-item-mask-nonzero",
@@ -217,6 +241,8 @@ class DictBatchModule(Classifier):
         "accumulate-4",
         "clip",
         "manual-16-mixed",
+        "manual-toggle-closure",
+        "manual-toggle-closure-16-mixed",
     ],
 )
 def test_hostile_modules_train_with_at_most_a_warning(

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizers_and_lr_schedulers
 from torch import Tensor, nn
 
 from lightning_memest.adapter.batch_index import IndexReads, WatchedIndex
@@ -124,8 +124,13 @@ class LightningRunner:
         def no_log(*args: Any, **kwargs: Any) -> None:
             return None
 
+        wrapped: list[Any] = []  # made at the first call: configure_optimizers runs after this
+
         def optimizers(use_pl_optimizer: bool = True) -> Any:
-            return self.optimizers[0] if len(self.optimizers) == 1 else list(self.optimizers)
+            if use_pl_optimizer and len(wrapped) != len(self.optimizers):
+                wrapped[:] = [_SimulatedOptimizer(opt, self) for opt in self.optimizers]
+            found: list[Any] = wrapped if use_pl_optimizer else self.optimizers
+            return found[0] if len(found) == 1 else list(found)
 
         def lr_schedulers() -> Any:
             if not self.schedulers:
@@ -146,8 +151,9 @@ class LightningRunner:
         ):
             setattr_raw(module, name, value)
 
-    def _toggle(self, optimizer: torch.optim.Optimizer) -> None:
+    def _toggle(self, optimizer: torch.optim.Optimizer | LightningOptimizer) -> None:
         # LightningModule.toggle_optimizer over the simulation's optimizers.
+        optimizer = _unwrapped(optimizer)
         state: dict[nn.Parameter, bool] = {}
         for opt in self.optimizers:
             for group in opt.param_groups:
@@ -160,7 +166,8 @@ class LightningRunner:
                 param.requires_grad = state[param]
         self._toggled = state
 
-    def _untoggle(self, optimizer: torch.optim.Optimizer) -> None:
+    def _untoggle(self, optimizer: torch.optim.Optimizer | LightningOptimizer) -> None:
+        optimizer = _unwrapped(optimizer)
         state = self._toggled
         for opt in self.optimizers:
             if opt is not optimizer:
@@ -262,6 +269,45 @@ class LightningRunner:
         self.listener.on_optimizer_state(optimizer_state_tensors(optimizer))
         self.optimizer_steps += 1
         return loss
+
+
+def _unwrapped(optimizer: torch.optim.Optimizer | LightningOptimizer) -> torch.optim.Optimizer:
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+class _SimulatedOptimizer(LightningOptimizer):
+    """What ``self.optimizers()`` gives in manual optimization: Lightning's wrapper (its ``isinstance``
+    checks, ``.optimizer``, ``toggle_model``, ``step(closure)``) over a simulation's optimizer, without a
+    strategy: its step is the runner's watched one. A closure runs just before it (what torch's step
+    does first; the forward and backward inside keep their phases), or inside it for an optimizer
+    that calls it again (L-BFGS)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, runner: LightningRunner) -> None:
+        super().__init__(optimizer)
+        self._runner = runner
+
+    @contextlib.contextmanager
+    def toggle_model(self, sync_grad: bool = True) -> Iterator[None]:
+        self._runner._toggle(self._optimizer)
+        yield
+        self._runner._untoggle(self._optimizer)
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        self._on_before_step()
+        if closure is None:
+            result = self._optimizer.step(**kwargs)
+        elif isinstance(self._optimizer, torch.optim.LBFGS) and self._runner.scaler is None:
+            result = self._optimizer.step(closure=closure, **kwargs)  # type: ignore[no-untyped-call]
+        else:
+            with torch.enable_grad():
+                result = closure()
+            self._optimizer.step(**kwargs)
+        self._on_after_step()
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        # The runner's watched zero_grad is the optimizer's own attribute; the class's would skip it.
+        self._optimizer.zero_grad(set_to_none=set_to_none)
 
 
 class _TrainingStep(nn.Module):

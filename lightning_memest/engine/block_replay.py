@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_memest.engine.block_templates import (
@@ -90,6 +91,7 @@ class _Call:
     params: tuple[int | None, ...]
     buffers: tuple[int | None, ...]
     param_objects: tuple[nn.Parameter, ...]
+    param_devices: tuple[torch.device, ...]
     internal: dict[int, int] = field(default_factory=dict)
     real: dict[int, int] = field(default_factory=dict)  # handle -> storage key, for bound storages
     keep: list[Tensor] = field(default_factory=list)
@@ -99,6 +101,16 @@ class _Call:
     paths: dict[str, str] = field(default_factory=dict)  # a template's module path -> this call's
 
 
+@dataclass(frozen=True)
+class _Member:
+    """A member of a group as its stand-ins need it."""
+
+    path: str
+    params: tuple[nn.Parameter, ...]
+    buffers: tuple[Tensor, ...]
+    devices: tuple[torch.device, ...]  # the parameters'
+
+
 class _Group:
     """The replay state of one group, reset every step."""
 
@@ -106,7 +118,20 @@ class _Group:
         self.group = group
         self.n = len(group.members)
         self.step = -1
+        self.members: dict[int, _Member] = {}
+        """By module id: a member's path, parameters and buffers (the fake ones, which the simulation
+        does not replace), looked up once, not at every stand-in of every step."""
         self.reset(-1)
+
+    def member(self, module: nn.Module) -> _Member:
+        found = self.members.get(id(module))
+        if found is None:
+            path = next(p for p, m in zip(self.group.members, self.group.modules, strict=True) if m is module)
+            params = tuple(module.parameters())
+            # Inside the mode a fake tensor's .device is an op (prim.device); its fake_device is not.
+            devices = tuple(p.fake_device if isinstance(p, FakeTensor) else p.device for p in params)
+            found = self.members[id(module)] = _Member(path, params, tuple(module.buffers()), devices)
+        return found
 
     def reset(self, step: int) -> None:
         self.step = step
@@ -292,13 +317,14 @@ class BlockReplay:
     def _stand_in(self, state: _Group, template: Template, module: nn.Module, leaves: list[Any]) -> Any:
         tracker = self.tracker
         handles = tuple(tracker.handle_of(v) if isinstance(v, Tensor) else None for v in leaves)
-        params = tuple(module.parameters())
+        member = state.member(module)
         call = _Call(
-            _path(state, module),
+            member.path,
             handles,
-            tuple(tracker.handle_of(p) for p in params),
-            tuple(tracker.handle_of(b) for b in module.buffers()),
-            params,
+            tuple(tracker.handle_of(p) for p in member.params),
+            tuple(tracker.handle_of(b) for b in member.buffers),
+            member.params,
+            member.devices,
         )
         for v, h in zip(leaves, handles, strict=True):
             if h is not None:
@@ -363,7 +389,9 @@ class BlockReplay:
                 raise ReplayMismatch(f"the gradient of block {call.block}'s output is gone")
             tracker.forget(key, h)
         self._bind(call, grad_in, template.grad_input)
-        for p, (canon, lay) in zip(call.param_objects, template.param_grads, strict=True):
+        for p, device, (canon, lay) in zip(
+            call.param_objects, call.param_devices, template.param_grads, strict=True
+        ):
             if canon is None or lay is None:
                 continue
             if canon[0] == "pg":  # accumulated in place by the template's events: it stays
@@ -372,7 +400,7 @@ class BlockReplay:
                 continue
             if p.grad is not None:
                 raise ReplayMismatch(f"a parameter of block {call.block} already had a gradient")
-            g = self._make(lay, p.device)
+            g = self._make(lay, device)
             self._bind(call, g, canon)
             with torch._C._DisableTorchDispatch():  # the setter's checks ask both for devices: 6 ops
                 p.grad = g
@@ -500,13 +528,6 @@ class BlockReplay:
             state.replayed = 0
             state.step = -1
         self.replayed.update(step)
-
-
-def _path(state: _Group, module: nn.Module) -> str:
-    for path, m in zip(state.group.members, state.group.modules, strict=True):
-        if m is module:
-            return path
-    raise AssertionError("a member of no group")
 
 
 class _StandIn(torch.autograd.Function):

@@ -74,15 +74,18 @@ class OptimizerReplay:
         self.groups = groups
         self.count = 0
         """Parameter iterations replayed (state creations and updates, every step)."""
+        self._owner: dict[int, tuple[int, int, int]] | None = None  # id(parameter) -> group, block, index
 
     def runs(self, params: Sequence[Any]) -> dict[int, Run]:
         """Where each group's blocks 1 .. N-2 lie in ``params``, block after block, in the same order."""
         found: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        owner: dict[int, tuple[int, int, int]] = {}
-        for g, group in enumerate(self.groups):
-            for k, module in enumerate(group.modules):
-                for j, p in enumerate(module.parameters()):
-                    owner[id(p)] = (g, k, j)
+        owner = self._owner
+        if owner is None:  # the simulation's fake parameters, the same in every loop of every step
+            owner = self._owner = {}
+            for g, group in enumerate(self.groups):
+                for k, module in enumerate(group.modules):
+                    for j, p in enumerate(module.parameters()):
+                        owner[id(p)] = (g, k, j)
         for i, p in enumerate(params):
             o = owner.get(id(p))
             if o is not None:
