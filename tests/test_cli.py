@@ -304,20 +304,22 @@ def test_the_current_directory_never_shadows_an_installed_package(tmp_path: Path
 
 
 def test_estimate_replay_blocks_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    """--replay-blocks: the same figures as the plain estimate, the blocks replayed said; off by default."""
+    """Replay on by default, the blocks replayed said; --no-replay-blocks: the same figures, every block
+    simulated."""
     gpt = ["models:TinyGPT", "--tokens", "12", "--vocab", "50"]
     gpt += [
         "--model-kwargs",
         json.dumps({"n_layers": 7, "d_model": 32, "n_heads": 2, "vocab": 50, "seq_len": 12}),
     ]
-    plain = run_json(capsys, "estimate", *gpt)
-    replayed = run_json(capsys, "estimate", *gpt, "--replay-blocks")
+    plain = run_json(capsys, "estimate", *gpt, "--no-replay-blocks")
+    replayed = run_json(capsys, "estimate", *gpt)
+    assert run_json(capsys, "estimate", *gpt, "--replay-blocks")["replayed_blocks"] == {"blocks": 2}
     assert plain["replayed_blocks"] is None
     assert replayed["replayed_blocks"] == {"blocks": 2}
     for data in (plain, replayed):
         del data["estimate_seconds"], data["replayed_blocks"]
     assert replayed == plain
-    code, out, err = run(capsys, "estimate", *gpt, "--replay-blocks")
+    code, out, err = run(capsys, "estimate", *gpt)
     assert code == 0, err
     assert "replayed blocks per step: 2 of blocks" in out
 
