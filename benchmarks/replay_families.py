@@ -9,8 +9,8 @@ per step), whether all figures are equal (else the JSON keys that differ), and b
     python benchmarks/replay_families.py               # every family
     python benchmarks/replay_families.py --only bert   # some (repeatable)
 
-Families where no group is replayed (a check failed: alternating layer kinds, a stack too short) must
-still give equal figures: replay then runs nothing differently.
+Families where no group is replayed (a check failed, a stack too short) must still give equal figures:
+replay then runs nothing differently.
 """
 
 from __future__ import annotations
@@ -119,8 +119,37 @@ FAMILIES: dict[str, Callable[[], Case]] = {
     "mistral (sliding window)": _hf("MistralConfig", "MistralForCausalLM", **_GQA, sliding_window=16),
     "qwen2": _hf("Qwen2Config", "Qwen2ForCausalLM", **_GQA),
     "gpt-neox": _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", **_SMALL),
-    "gemma2 (alternating layers)": _hf(
-        "Gemma2Config", "Gemma2ForCausalLM", **_GQA, head_dim=16, sliding_window=16
+    "gemma2 (alternating layers, 12)": _hf(
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        **{**_GQA, "num_hidden_layers": 12},
+        head_dim=16,
+        sliding_window=16,
+    ),
+    "gemma3 (5 sliding : 1 global, 48 layers)": _hf(
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        **{**_GQA, "num_hidden_layers": 48},
+        head_dim=16,
+        sliding_window=16,
+    ),
+    "llama4 (MoE every 2nd, NoPE every 4th, 32)": _hf(
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        **{**_GQA, "num_hidden_layers": 32},
+        head_dim=16,
+        interleave_moe_layer_step=2,
+        num_local_experts=4,
+        intermediate_size_mlp=128,
+    ),
+    "gpt-oss (alternating sliding, MoE, 12)": _hf(
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        **{**_GQA, "num_hidden_layers": 12},
+        head_dim=16,
+        sliding_window=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
     ),
     "mixtral (MoE)": _hf(
         "MixtralConfig", "MixtralForCausalLM", **_GQA, num_local_experts=4, num_experts_per_tok=2

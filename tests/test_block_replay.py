@@ -229,9 +229,9 @@ class _Rotary(nn.Module):
 
 
 def test_blocks_of_another_kind_never_stand_in() -> None:
-    """Layers 3 and 7 of twelve skip the rotary op (blocks 1, 2 and N-2 all have it): the run is cut
-    at every change of kind, so no block of the other kind is replayed from a template of this one;
-    the layer index, a distinct number per layer, does not cut it."""
+    """Layers 3 and 7 of twelve skip the rotary op (blocks 1, 2 and N-2 all have it): no block of the
+    other kind is replayed from a template of this one (three periods of four kinds: too few to
+    replay); the layer index, a distinct number per layer, is not a kind."""
     model = _stack(_Rotary, n=12)
     assert repeated_blocks(model) == []
     est = estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD, replay_blocks=True)
@@ -241,6 +241,29 @@ def test_blocks_of_another_kind_never_stand_in() -> None:
     kinds = nn.Sequential(*(_Rotary(i, period=1 if i < 8 else 100) for i in range(16)))
     assert [len(g.members) for g in repeated_blocks(kinds)] == [8, 8]
     _compare(kinds, torch.randn(4, 16), {"": 6}, optimizer=torch.optim.SGD)
+
+
+def test_kinds_in_turn_are_replayed_each_from_its_own_template() -> None:
+    """48 layers, every fourth without the rotary op: a group of period 4, each kind replayed from
+    its own blocks (periods 3 .. 9 of 12 stand in: 28 blocks), the optimizer's work on them too."""
+    model = _stack(_Rotary, n=48)
+    [group] = repeated_blocks(model)
+    assert (len(group.members), group.period) == (48, 4)
+    _compare(model, torch.randn(4, 16), {"": 28}, 28 * 2 * 4, optimizer=torch.optim.AdamW)
+
+
+def test_gemma2_alternating_sliding_window_layers() -> None:
+    """transformers' Gemma 2: sliding-window and global attention in turn (a kind set from the layer
+    index at init, ``is_sliding``), norms after each block: replayed as a group of period 2."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=12, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, max_position_embeddings=64,
+    )  # fmt: skip
+    model = transformers.Gemma2ForCausalLM(config)
+    assert [g.period for g in repeated_blocks(model)] == [2]
+    ids = torch.randint(0, 128, (2, 16))
+    _compare(model, ids, {"model.layers": 2}, loss_fn=_hf_loss, optimizer=torch.optim.AdamW)
 
 
 class _Mlp(nn.Module):

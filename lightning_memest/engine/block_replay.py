@@ -16,6 +16,9 @@ What the block's autograd nodes saved is what keeps its inputs alive into backwa
 the inputs (and outputs) its template saved until its backward. A storage the template allocated that
 outlives both of its spans without being returned (a cache's keys) dies with the template's own.
 
+A group of several kinds in turn (a period, ``engine.blocks``) is replayed kind by kind: the blocks
+of each kind are a group of their own, with their own templates.
+
 Checks make replay safe or absent: a stand-in runs only where the inputs match the template's
 (structure, layouts, other arguments) and block ``1``'s and ``2``'s forwards agree; at the end of each
 step the full signatures of ``1``, ``2`` and ``N-2`` (forward and backward) must agree and every
@@ -154,7 +157,8 @@ class BlockReplay:
 
     def __init__(self, tracker: ReplayTracker, groups: list[BlockGroup]) -> None:
         self.tracker = tracker
-        self.groups = [_Group(g) for g in groups]
+        # A group of several kinds in turn replays each kind on its own, from its own templates.
+        self.groups = [_Group(phase) for g in groups for phase in g.phases()]
         self.calls: dict[int, tuple[_Group, _Call]] = {}
         self._next_call = 0
         self.replayed: dict[str, int] = {}

@@ -3,20 +3,22 @@ simulated instances of a block ran the same events.
 
 A *group* is a run of consecutive children of a ``ModuleList`` / ``Sequential`` that are alike before
 anything runs: the same class, the same submodule tree, the same parameter and buffer names, shapes,
-dtypes and ``requires_grad``, distinct module objects, and no hooks of the user's anywhere inside
-(replay skips running a block's children, so their hooks would not run). Whether two instances also
-*run* alike is decided from their events (:class:`BlockRecord`): the events of a forward and of its
-backward, with storage handles renamed by what they are -- the block's ``k``-th input, ``j``-th
-parameter, the gradient of its output, or the ``n``-th storage the block allocated -- and module paths
-relative to the block. Equal signatures mean: the same ops with the same calls, allocations of the
-same sizes freed at the same points, the same tags.
+dtypes and ``requires_grad``, the same kind (plain attributes such as ``is_sliding``), distinct module
+objects, and no hooks of the user's anywhere inside (replay skips running a block's children, so
+their hooks would not run). Where kinds take turns (Gemma 2's sliding-window and global layers,
+Llama 4's MoE and NoPE layers) a group has a *period*: block ``k`` is alike block ``k + period``.
+Whether two instances also *run* alike is decided from their events (:class:`BlockRecord`): the
+events of a forward and of its backward, with storage handles renamed by what they are -- the block's
+``k``-th input, ``j``-th parameter, the gradient of its output, or the ``n``-th storage the block
+allocated -- and module paths relative to the block. Equal signatures mean: the same ops with the
+same calls, allocations of the same sizes freed at the same points, the same tags.
 
 Example:
     >>> import torch
     >>> layers = [torch.nn.Linear(4, 4) for _ in range(8)]
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4, bias=False), *layers)  # the first differs
-    >>> [(g.path, g.members[0], len(g.members)) for g in repeated_blocks(model)]
-    [('', '1', 8)]
+    >>> [(g.path, g.members[0], len(g.members), g.period) for g in repeated_blocks(model)]
+    [('', '1', 8, 1)]
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from lightning_memest.engine.events import (
 )
 
 __all__ = [
+    "MAX_PERIOD",
     "MIN_BLOCKS",
     "BlockGroup",
     "BlockRecord",
@@ -54,6 +57,11 @@ __all__ = [
 #: The fewest blocks of a group worth replaying: the first three (the outside's boundary, the template
 #: and its check) and the last two (the backward template and the boundary) run for real.
 MIN_BLOCKS = 6
+
+#: The longest period of block kinds replayed: Gemma 3 takes one global-attention layer after five
+#: sliding-window ones (6), Jamba one attention layer in eight (8). A group of period ``p`` needs
+#: ``p * MIN_BLOCKS`` blocks.
+MAX_PERIOD = 8
 
 #: A storage handle renamed: ``("i", n)`` the ``n``-th storage the block allocated, ``("in", k)`` its
 #: ``k``-th input tensor's, ``("p", j)`` / ``("b", j)`` its parameters' and buffers', ``("pg", j)`` the
@@ -80,11 +88,21 @@ def layout_of(t: Tensor) -> Layout:
 
 @dataclass(frozen=True, eq=False)
 class BlockGroup:
-    """Consecutive alike children of one container: ``path`` the container's, ``members`` theirs."""
+    """Consecutive alike children of one container: ``path`` the container's, ``members`` theirs;
+    with a ``period`` above 1, blocks of ``period`` kinds in turn (``members[k]`` is alike
+    ``members[k + period]``), a whole number of periods."""
 
     path: str
     members: tuple[str, ...]
     modules: tuple[nn.Module, ...]
+    period: int = 1
+
+    def phases(self) -> list[BlockGroup]:
+        """One group of period 1 per kind: the members ``r, r + period, ...`` for each ``r``."""
+        if self.period == 1:
+            return [self]
+        p = self.period
+        return [BlockGroup(self.path, self.members[r::p], self.modules[r::p]) for r in range(p)]
 
 
 def repeated_blocks(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> list[BlockGroup]:
@@ -99,21 +117,51 @@ def repeated_blocks(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> list[Bloc
         if any(path == t or path.startswith(t + ".") for t in taken):
             continue
         children = list(container.named_children())
-        run: list[tuple[str, nn.Module]] = []
-        key: Any = None
-        for name, child in [*children, ("", None)]:
-            k = _structure(child) if child is not None else None
-            if k is not None and k == key and all(child is not m for _, m in run):
-                run.append((name, child))  # type: ignore[arg-type]
-                continue
-            for part in _same_kinds(run) if len(run) >= min_blocks else ():
-                if len(part) >= min_blocks:
-                    members = tuple(f"{path}.{n}" if path else n for n, _ in part)
-                    groups.append(BlockGroup(path, members, tuple(m for _, m in part)))
-                    taken.extend(members)
-            run = [(name, child)] if child is not None and k is not None else []
-            key = k
+        modules = [m for _, m in children]
+        structures = [_structure(m) for m in modules]
+        for start, stop, _ in _periodic_runs(structures, modules, min_blocks):
+            run = children[start:stop]
+            # Refined by kind: blocks alike in structure that differ in what they are (see _kinds).
+            keys = [(structures[start + k], kind) for k, kind in enumerate(_kinds(run))]
+            for a, b, period in _periodic_runs(keys, modules[start:stop], min_blocks):
+                part = run[a:b]
+                members = tuple(f"{path}.{n}" if path else n for n, _ in part)
+                groups.append(BlockGroup(path, members, tuple(m for _, m in part), period))
+                taken.extend(members)
     return groups
+
+
+def _periodic_runs(
+    keys: Sequence[Any], modules: Sequence[nn.Module], min_blocks: int
+) -> list[tuple[int, int, int]]:
+    """Runs ``(start, stop, period)`` of whole periods (``period <= MAX_PERIOD``) over which ``keys[k]
+    == keys[k - period]``, at least ``min_blocks`` periods long, each of distinct modules and no
+    ``None`` key (a block that cannot be replayed): from each start the longest, of the smallest
+    period; leftmost first, not overlapping."""
+    n = len(keys)
+    runs: list[tuple[int, int, int]] = []
+    i = 0
+    while i < n:
+        best: tuple[int, int, int] | None = None
+        for p in range(1, MAX_PERIOD + 1):
+            if i + p * min_blocks > n or keys[i + p - 1] is None:
+                break
+            seen = {id(m) for m in modules[i : i + p]}
+            if len(seen) < p:
+                break
+            j = i + p
+            while j < n and keys[j] is not None and id(modules[j]) not in seen and keys[j] == keys[j - p]:
+                seen.add(id(modules[j]))
+                j += 1
+            length = (j - i) // p * p
+            if length >= p * min_blocks and (best is None or length > best[1] - best[0]):
+                best = (i, i + length, p)
+        if best is None:
+            i += 1
+        else:
+            runs.append(best)
+            i = best[1]
+    return runs
 
 
 def _global_hooks() -> bool:
@@ -149,13 +197,13 @@ def _attributes(block: nn.Module) -> dict[tuple[str, str], Any]:
     return found
 
 
-def _same_kinds(run: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Module]]]:
-    """``run`` (alike by structure) cut where a block's *kind* changes: a plain attribute that varies
-    along the run and repeats values (``use_rope`` off every fourth layer, alternating window shifts)
-    steers a forward the structure does not show, so blocks of another kind never stand in for each
-    other. An attribute whose every value is a distinct number (a layer's index, a stochastic-depth
-    rate growing with depth) names an instance, not a kind: blocks 1 and 2 already differ in it, and
-    the replay's signature checks compare what it changes."""
+def _kinds(run: list[tuple[str, nn.Module]]) -> list[tuple[Any, ...]]:
+    """Each block's *kind* along ``run``: the values of the plain attributes that vary along it and
+    repeat values (``use_rope`` off every fourth layer, a sliding window every other one, alternating
+    window shifts), which steer a forward the structure does not show: blocks of one kind never stand
+    in for another's. An attribute whose every value is a distinct number (a layer's index, a
+    stochastic-depth rate growing with depth) names an instance, not a kind: blocks 1 and 2 already
+    differ in it, and the replay's signature checks compare what it changes."""
     seen = [_attributes(m) for _, m in run]
     kinds: list[tuple[str, str]] = []
     for key in sorted(set().union(*seen)):
@@ -166,18 +214,7 @@ def _same_kinds(run: list[tuple[str, nn.Module]]) -> list[list[tuple[str, nn.Mod
         if numbers and len(set(values)) == len(values):
             continue
         kinds.append(key)
-    if not kinds:
-        return [run]
-    parts: list[list[tuple[str, nn.Module]]] = []
-    last: Any = _MISSING
-    for member, attrs in zip(run, seen, strict=True):
-        kind = tuple((type(attrs.get(k)), attrs.get(k, _MISSING)) for k in kinds)
-        if parts and kind == last:
-            parts[-1].append(member)
-        else:
-            parts.append([member])
-        last = kind
-    return parts
+    return [tuple((type(attrs.get(k)), attrs.get(k, _MISSING)) for k in kinds) for attrs in seen]
 
 
 _MISSING = object()

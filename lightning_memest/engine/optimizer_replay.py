@@ -77,22 +77,26 @@ class OptimizerReplay:
         self._owner: dict[int, tuple[int, int, int]] | None = None  # id(parameter) -> group, block, index
 
     def runs(self, params: Sequence[Any]) -> dict[int, Run]:
-        """Where each group's blocks 1 .. N-2 lie in ``params``, block after block, in the same order."""
+        """Where each group's blocks 1 .. N-2 lie in ``params``, block after block, in the same order
+        (a group of several kinds in turn: its periods, each one block here)."""
         found: dict[tuple[int, int], list[tuple[int, int]]] = {}
         owner = self._owner
         if owner is None:  # the simulation's fake parameters, the same in every loop of every step
             owner = self._owner = {}
             for g, group in enumerate(self.groups):
+                j = 0
                 for k, module in enumerate(group.modules):
-                    for j, p in enumerate(module.parameters()):
-                        owner[id(p)] = (g, k, j)
+                    j = 0 if k % group.period == 0 else j
+                    for p in module.parameters():
+                        owner[id(p)] = (g, k // group.period, j)
+                        j += 1
         for i, p in enumerate(params):
             o = owner.get(id(p))
             if o is not None:
                 found.setdefault(o[:2], []).append((i, o[2]))
         runs: dict[int, Run] = {}
         for g, group in enumerate(self.groups):
-            n, first = len(group.modules), found.get((g, 1))
+            n, first = len(group.modules) // group.period, found.get((g, 1))
             if not first:
                 continue
             q, base = len(first), first[0][0]
