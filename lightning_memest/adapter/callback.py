@@ -19,7 +19,6 @@ from typing_extensions import override
 from lightning_memest.adapter.budget_check import BudgetCheck
 from lightning_memest.adapter.ddp_buckets import UnseenBuckets
 from lightning_memest.adapter.describe import SetupCost, describe_checks
-from lightning_memest.adapter.eval_runner import Loop
 from lightning_memest.adapter.fit_advice import apply_plan, training_check
 from lightning_memest.adapter.fit_batches import FitBatches, resident_at_start
 from lightning_memest.adapter.gloo_exit import settle_gloo_workers_at_exit
@@ -31,6 +30,7 @@ from lightning_memest.adapter.loggers.scalars import (
     logging_step,
 )
 from lightning_memest.adapter.loop_checks import LoopChecks
+from lightning_memest.adapter.loop_hooks import LoopHooks
 from lightning_memest.adapter.options import check_options
 from lightning_memest.adapter.ranks import max_over_ranks
 from lightning_memest.adapter.summary import restore_summaries, show_summary, silence_other_summaries
@@ -48,7 +48,7 @@ _T = TypeVar("_T")
 CHECKED_STEPS = 2
 
 
-class MemEstimate(ModelSummary):
+class MemEstimate(LoopHooks, ModelSummary):
     """Estimates the memory of your ``training_step`` before it runs, then checks it against the device.
 
     At the first training batch, before it runs, the module's real ``training_step`` (with its
@@ -446,91 +446,6 @@ class MemEstimate(ModelSummary):
             self._safely("logging", lambda m=measured: self._fit_log.measured(trainer, estimate, m))  # type: ignore[misc]
         self._safely(
             "logging to TensorBoard", lambda: self._fit_log.figures(trainer, self.estimate, self.measured)
-        )
-
-    # --- the other loops: each one's first batch estimated, checked, measured ------------------------------
-    @override
-    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.state.fn != "fit":  # trainer.validate: a new call (a fit's validations are one loop)
-            self._forget("validate")
-
-    @override
-    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._forget("test")
-
-    @override
-    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._forget("predict")
-
-    def _forget(self, name: str) -> None:
-        self._loops.forget(name)
-        self._guard.warned = False  # a new call: its failure is worth a warning of its own
-
-    @override
-    def on_validation_batch_start(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._loop_start(trainer, pl_module, batch, dataloader_idx, "validate")
-
-    @override
-    def on_test_batch_start(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._loop_start(trainer, pl_module, batch, dataloader_idx, "test")
-
-    @override
-    def on_predict_batch_start(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._loop_start(trainer, pl_module, batch, dataloader_idx, "predict")
-
-    @override
-    def on_validation_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self._loops.on_batch_end(trainer, self._guard)
-
-    # The same for the other loops' batches (the three hooks take the same arguments).
-    on_test_batch_end = on_validation_batch_end
-    on_predict_batch_end = on_validation_batch_end
-
-    def _loop_start(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, dataloader_idx: int, loop: Loop
-    ) -> None:
-        # A training step measured on the CPU keeps its profiler open across the measured batches.
-        profiling = self._probe is not None and trainer.strategy.root_device.type == "cpu"
-        self._loops.on_batch_start(
-            trainer,
-            pl_module,
-            batch,
-            dataloader_idx,
-            loop,
-            guard=self._guard,
-            budget=self._budget(),
-            measure=self.check,
-            profiling=profiling,
-            announce=self._summarized,
         )
 
     # --- logging: adapter/loggers/fit_log.py ---------------------------------------------------------------
