@@ -201,6 +201,38 @@ def test_a_mismatch_after_replay_simulates_again(monkeypatch: pytest.MonkeyPatch
     _same(est, estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD, replay_blocks=False))
 
 
+def test_a_replayed_run_that_fails_otherwise_simulates_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in that breaks (here: made to raise, as an untested device could) costs a second run,
+    never the estimate: the step is simulated again without replay."""
+    from lightning_memest.engine.block_replay import BlockReplay
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a stand-in that cannot be made here")
+
+    monkeypatch.setattr(BlockReplay, "_stand_in", broken)
+    runs = _replay_flags(monkeypatch)
+    model = _stack(lambda i: _Scaled())
+    est = estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD)
+    assert runs == [True, False]
+    assert est.replayed_blocks is None
+    _same(est, estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD, replay_blocks=False))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_replay_on_fake_cuda_tensors() -> None:
+    """On a GPU the step runs on fake CUDA tensors: stand-ins make CUDA fake tensors, and every figure
+    (the caching allocator's too) equals the full simulation's."""
+    model = TinyGPT(n_layers=8, d_model=64, n_heads=4, vocab=100, seq_len=16)
+    _compare(
+        model,
+        lm_batch(2, 16, 100),
+        {"blocks": 3},
+        loss_fn=lm_loss,
+        optimizer=torch.optim.AdamW,
+        device="cuda",
+    )
+
+
 def test_groups_need_alike_blocks_without_hooks() -> None:
     assert [len(g.members) for g in repeated_blocks(_stack(lambda i: _Scaled()))] == [8]
     assert repeated_blocks(_stack(lambda i: _Scaled(), n=5)) == []  # too few to replay one

@@ -272,12 +272,16 @@ def simulate(
 
 def simulate_replaying(run: Callable[[bool], Simulation], replay: bool) -> Simulation:
     """``run(replay)``, a simulation with block replay on or off; where replay's checks fail after a
-    stand-in ran (``ReplayMismatch``: the blocks did not repeat after all), ``run(False)``, its seconds
-    counting the attempt."""
+    stand-in ran (``ReplayMismatch``: the blocks did not repeat after all), or the replayed run fails
+    in any other way (a stand-in on a device or in a setting no test reached), ``run(False)``, its
+    seconds counting the attempt: replay never makes an estimate fail that would succeed without it
+    (a step that fails either way raises the error of the run without replay)."""
+    if not replay:
+        return run(False)
     start = time.perf_counter()
     try:
-        return run(replay)
-    except ReplayMismatch:
+        return run(True)
+    except (ReplayMismatch, EstimationError):
         spent = time.perf_counter() - start
         sim = run(False)
         return dataclasses.replace(sim, seconds=sim.seconds + spent)
