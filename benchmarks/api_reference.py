@@ -42,7 +42,13 @@ def _member_lines(cls: type) -> list[str]:
     """A class's public methods and properties, each with the first paragraph of its docstring."""
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     lines = []
-    for name, member in sorted(vars(cls).items()):
+    # The class's own members and those of the package's classes it is made of (a mixin such as the
+    # callback's loop hooks), the nearest first; not those of torch's or Lightning's bases.
+    own: dict[str, Any] = {}
+    for base in reversed(cls.__mro__):
+        if base is cls or base.__module__.startswith("lightning_memest"):
+            own.update(vars(base))
+    for name, member in sorted(own.items()):
         if name.startswith("_") or name in fields:
             continue
         if isinstance(member, property):
