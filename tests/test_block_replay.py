@@ -25,7 +25,8 @@ from tests.models import TinyGPT, lm_batch, lm_loss
 def _same(replayed: StepEstimate, full: StepEstimate) -> None:
     """Every figure equal but the seconds and the replay's own note."""
     assert full.replayed_blocks is None
-    a = dataclasses.replace(replayed, estimate_seconds=0.0, replayed_blocks=None)
+    assert full.replay_note is None
+    a = dataclasses.replace(replayed, estimate_seconds=0.0, replayed_blocks=None, replay_note=None)
     b = dataclasses.replace(full, estimate_seconds=0.0)
     assert a.peaks == b.peaks  # first: the clearest message
     assert a.modules == b.modules
@@ -186,6 +187,7 @@ def test_on_by_default_off_by_the_flag_and_without_repeats(monkeypatch: pytest.M
     model = _stack(lambda i: _Planned(i, plan))
     est = estimate_step(model, batch)
     assert runs == [True] and est.replayed_blocks is None
+    assert est.replay_note == "the model: the forwards differ"
     _same(est, estimate_step(model, batch, replay_blocks=False))
 
 
@@ -198,6 +200,7 @@ def test_a_mismatch_after_replay_simulates_again(monkeypatch: pytest.MonkeyPatch
     est = estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD, replay_blocks=True)
     assert runs == [True, False]
     assert est.replayed_blocks is None
+    assert est.replay_note is not None and est.replay_note.startswith("simulated again without replay: ")
     _same(est, estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD, replay_blocks=False))
 
 

@@ -286,6 +286,7 @@ def account(
         real_ops=dict(sim.real_ops) if sim.real_ops else None,
         phase_marks=tuple(marks.marks),
         replayed_blocks=dict(sim.replayed_blocks) if sim.replayed_blocks else None,
+        replay_note=sim.replay_note,
     )
 
 

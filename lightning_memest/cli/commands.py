@@ -69,6 +69,8 @@ def _estimate(settings: Settings, out: TextIO) -> None:
     if est.replayed_blocks:
         groups = ", ".join(f"{n} of {path or 'the model'}" for path, n in est.replayed_blocks.items())
         print(f"  replayed blocks per step: {groups} (from the events of alike blocks)", file=out)
+    if est.replay_note:
+        print(f"  alike blocks not replayed (every block simulated): {est.replay_note}", file=out)
     _print_estimate(est, out)
     if fits is not None:
         verdict = "fits" if fits["fits"] else "does NOT fit"

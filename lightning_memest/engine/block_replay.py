@@ -163,6 +163,8 @@ class BlockReplay:
         self._next_call = 0
         self.replayed: dict[str, int] = {}
         """Stand-ins per group in the last step that had any."""
+        self.off: dict[str, str] = {}
+        """Per container whose blocks a check kept from standing in (the first such step's), why."""
         tracker.on_step_end = self.finish_step
 
     # --- the forward of a member -------------------------------------------------------------------
@@ -517,6 +519,8 @@ class BlockReplay:
         step: Counter[str] = Counter()  # a container's groups together (runs of two kinds in one list)
         for state in self.groups:
             if not state.replayed:
+                if state.off is not None:  # a check failed before any stand-in: the reason, for the report
+                    self.off.setdefault(state.group.path, state.off)
                 continue
             if any(s is state for s, _ in self.calls.values()):
                 raise ReplayMismatch(f"a stand-in in {state.group.path!r} never ran its backward")

@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_memest.batches import iter_tensors
 from lightning_memest.engine.autograd_threads import settle_device_threads
-from lightning_memest.engine.block_replay import ReplayMismatch, ReplayTracker, block_replay
+from lightning_memest.engine.block_replay import BlockReplay, ReplayMismatch, ReplayTracker, block_replay
 from lightning_memest.engine.blocks import repeated_blocks
 from lightning_memest.engine.cuda_autocast import cuda_autocast_lists
 from lightning_memest.engine.cuda_paths import cuda_code_paths
@@ -109,6 +109,10 @@ class Simulation:
     replayed_updates: int = 0
     """How many parameters' iterations of torch.optim's loops (state creation, update) were replayed
     rather than run, over all steps (``engine.optimizer_replay``)."""
+    replay_note: str | None = None
+    """Where replay was asked for and alike blocks were found but not replayed, why (the first check
+    that failed, per container), or that the step was simulated again without replay and why; ``None``
+    otherwise."""
 
     @property
     def is_cuda(self) -> bool:
@@ -267,7 +271,18 @@ def simulate(
         tuple(sorted(tracker.real_ops.items())),
         replayed_blocks=tuple(sorted(replay.replayed.items())) if replay is not None else (),
         replayed_updates=updates.count if updates is not None else 0,
+        replay_note=_replay_note(replay),
     )
+
+
+def _replay_note(replay: BlockReplay | None) -> str | None:
+    """Why the groups of alike blocks that were never replayed were not: the first failed check."""
+    if replay is None:
+        return None
+    off = {path: why for path, why in replay.off.items() if path not in replay.replayed}
+    if not off:
+        return None
+    return "; ".join(f"{path or 'the model'}: {why}" for path, why in sorted(off.items()))
 
 
 def simulate_replaying(run: Callable[[bool], Simulation], replay: bool) -> Simulation:
@@ -281,10 +296,11 @@ def simulate_replaying(run: Callable[[bool], Simulation], replay: bool) -> Simul
     start = time.perf_counter()
     try:
         return run(True)
-    except (ReplayMismatch, EstimationError):
+    except (ReplayMismatch, EstimationError) as exc:
         spent = time.perf_counter() - start
         sim = run(False)
-        return dataclasses.replace(sim, seconds=sim.seconds + spent)
+        note = f"simulated again without replay: {exc}"
+        return dataclasses.replace(sim, seconds=sim.seconds + spent, replay_note=note)
 
 
 def _target_device(model: nn.Module, device: str | torch.device | None) -> tuple[torch.device, str | None]:

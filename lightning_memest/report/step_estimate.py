@@ -239,6 +239,10 @@ class StepEstimate:
     """Per group of repeated blocks (its container's path), how many blocks of each step were replayed
     from the events of alike blocks rather than run (``estimate_step(replay_blocks=True)``,
     ``engine.block_replay``); ``None`` where none were (replay off, or a check failed)."""
+    replay_note: str | None = None
+    """Why alike blocks were not replayed (the first check that failed, per container), or that the
+    step was simulated again without replay and why: where a replayed estimate would have been faster;
+    ``None`` otherwise."""
 
     def __repr__(self) -> str:
         peaks = ", ".join(f"step {p.step} {p.bytes:,} B" for p in self.peaks)
@@ -349,6 +353,7 @@ class StepEstimate:
             "loop": self.loop,
             "real_ops": self.real_ops,
             "replayed_blocks": self.replayed_blocks,
+            "replay_note": self.replay_note,
             "phase_marks": [
                 {
                     "step": m.step,
