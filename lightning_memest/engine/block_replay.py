@@ -513,6 +513,10 @@ class BlockReplay:
         h = self._resolve(call, canon)
         call.real[h] = self.tracker.bind(t, h)
 
+    def stood_in(self) -> bool:
+        """Whether any stand-in ran in this simulation (this step, or an earlier one)."""
+        return bool(self.replayed) or any(state.replayed for state in self.groups)
+
     # --- the step's end ------------------------------------------------------------------------------
     def finish_step(self) -> None:
         """Every replayed group's real instances agree in full, and every stand-in ran its backward."""

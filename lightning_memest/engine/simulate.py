@@ -244,9 +244,15 @@ def simulate(
             tracker.end_step()
             # The steps' end: what follows frees the fake model, batch and optimizer (no step's memory).
             tracker.events.append(PhaseStart(steps, Phase.SETUP))
-        except EstimationError:
+        except ReplayMismatch:
             raise
         except Exception as exc:
+            if replay is not None and replay.stood_in():
+                # Stand-ins ran before it failed: replay may be at fault (a device or a setting no test
+                # reached), so the caller simulates again without it.
+                raise ReplayMismatch(f"the replayed step failed: {type(exc).__name__}: {exc}") from exc
+            if isinstance(exc, EstimationError):
+                raise
             raise EstimationError(
                 f"the step failed on fake tensors: {type(exc).__name__}: {exc}",
                 op=_last_op(tracker.events),
@@ -287,16 +293,16 @@ def _replay_note(replay: BlockReplay | None) -> str | None:
 
 def simulate_replaying(run: Callable[[bool], Simulation], replay: bool) -> Simulation:
     """``run(replay)``, a simulation with block replay on or off; where replay's checks fail after a
-    stand-in ran (``ReplayMismatch``: the blocks did not repeat after all), or the replayed run fails
-    in any other way (a stand-in on a device or in a setting no test reached), ``run(False)``, its
-    seconds counting the attempt: replay never makes an estimate fail that would succeed without it
-    (a step that fails either way raises the error of the run without replay)."""
+    stand-in ran (``ReplayMismatch``: the blocks did not repeat after all, or the step failed in any
+    other way after a stand-in ran: a device or a setting no test reached), ``run(False)``, its
+    seconds counting the attempt: replay never makes an estimate fail that would succeed without it.
+    A step that fails before any stand-in ran fails once (its code is not run again)."""
     if not replay:
         return run(False)
     start = time.perf_counter()
     try:
         return run(True)
-    except (ReplayMismatch, EstimationError) as exc:
+    except ReplayMismatch as exc:
         spent = time.perf_counter() - start
         sim = run(False)
         note = f"simulated again without replay: {exc}"
