@@ -111,6 +111,8 @@ class LightningRunner:
             wrap(module, strategy, listener.on_communication)
         optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
         self.optimizers: list[torch.optim.Optimizer] = list(optimizers)
+        self.lightning_optimizers = [_SimulatedOptimizer(opt, self) for opt in self.optimizers]
+        """What ``self.optimizers()`` gives the module: Lightning's wrappers over :attr:`optimizers`."""
         self.schedulers = [config.scheduler for config in schedulers]
         self.scaler = torch.amp.GradScaler(device=self.device_type) if precision == "16-mixed" else None
         if not module.automatic_optimization:
@@ -124,12 +126,8 @@ class LightningRunner:
         def no_log(*args: Any, **kwargs: Any) -> None:
             return None
 
-        wrapped: list[Any] = []  # made at the first call: configure_optimizers runs after this
-
         def optimizers(use_pl_optimizer: bool = True) -> Any:
-            if use_pl_optimizer and len(wrapped) != len(self.optimizers):
-                wrapped[:] = [_SimulatedOptimizer(opt, self) for opt in self.optimizers]
-            found: list[Any] = wrapped if use_pl_optimizer else self.optimizers
+            found: list[Any] = self.lightning_optimizers if use_pl_optimizer else self.optimizers
             return found[0] if len(found) == 1 else list(found)
 
         def lr_schedulers() -> Any:

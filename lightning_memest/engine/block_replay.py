@@ -38,7 +38,7 @@ Example:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -283,7 +283,7 @@ class BlockReplay:
                 at -= 1
             record.backward_start = at
             record.real_before = Counter(tracker.real_ops)
-            record.grads_before = tuple(None if p.grad is None else tracker.handle_of(p.grad) for p in params)
+            record.grads_before = _grad_handles(tracker, params)
             g = grads[nr]
             record.grad_output = None if g is None else tracker.handle_of(g)
 
@@ -381,9 +381,7 @@ class BlockReplay:
         call.real.setdefault(h, grad.untyped_storage()._cdata)
         assert template.backward is not None and template.grad_input is not None
         # Gradients accumulated into (a second micro-batch): the template's add_ names them.
-        call.grads_before = tuple(
-            None if p.grad is None else tracker.handle_of(p.grad) for p in call.param_objects
-        )
+        call.grads_before = _grad_handles(tracker, call.param_objects)
         self._emit(template.backward, call, Phase.BACKWARD)
         tracker.real_ops.update(template.backward_real)
         assert template.grad_input_layout is not None and dense(template.grad_input_layout)
@@ -540,6 +538,11 @@ class BlockReplay:
             state.replayed = 0
             state.step = -1
         self.replayed.update(step)
+
+
+def _grad_handles(tracker: Tracker, params: Sequence[nn.Parameter]) -> tuple[int | None, ...]:
+    """The storage handle of each parameter's gradient now (``None``: it has none)."""
+    return tuple(None if p.grad is None else tracker.handle_of(p.grad) for p in params)
 
 
 class _StandIn(torch.autograd.Function):

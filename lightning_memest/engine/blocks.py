@@ -178,7 +178,10 @@ def _global_hooks() -> bool:
 #: The plain values among a module's attributes: what can steer its forward without showing in its
 #: parameters (a layer's kind, ``use_rope``, ``shift_size``, ``is_sliding``).
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, enum.Enum)
-_MODULE_STATE = frozenset({"training", "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+_MODULE_STATE = frozenset({"training"})  # (private names, "_parameters" and the like, are skipped too)
+
+
+_MISSING = object()  # an attribute a block does not have
 
 
 def _plain(value: Any) -> bool:
@@ -215,9 +218,6 @@ def _kinds(run: list[tuple[str, nn.Module]]) -> list[tuple[Any, ...]]:
             continue
         kinds.append(key)
     return [tuple((type(attrs.get(k)), attrs.get(k, _MISSING)) for k in kinds) for attrs in seen]
-
-
-_MISSING = object()
 
 
 def _structure(block: nn.Module) -> Any:

@@ -140,7 +140,8 @@ class CalibratedKernels:
 
     def measured(self, call: OpCall) -> bool:
         """Whether the calibration measured ``call``'s signature (else the hand model answers it)."""
-        return self.calibration.lookup(call)[0]
+        known = self._memo.get(id(call))  # answered already: its source says
+        return known[1] == 0 if known is not None else self.calibration.lookup(call)[0]
 
     def sources(self, calls: Iterable[OpCall]) -> tuple[KernelSource, ...]:
         """Per op (overload name, sorted): how many of ``calls`` (the step's, one per op event) this
