@@ -52,6 +52,8 @@ def case_input(spec: str, batch_size: int) -> InputSpec:
 def test_estimate_within_one_percent_of_measured(
     spec: str, batch_size: int, optimizer: str, precision: str
 ) -> None:
+    if spec.endswith("LSTMLanguageModel") and precision == "bf16-mixed" and not _onednn_runs_bf16_lstm():
+        pytest.skip("this CPU's oneDNN has no bfloat16 LSTM kernel: the real step cannot run here")
     case = build_case(spec, case_input(spec, batch_size), optimizer=optimizer, precision=precision)
     estimate = estimate_case(case, calibrate=True)  # what this machine measures: holds on any CPU
     measured = measure_case(case)
@@ -60,6 +62,21 @@ def test_estimate_within_one_percent_of_measured(
         assert abs(error) <= 0.01, (
             f"step {peak.step}: estimated {peak.bytes}, measured {truth} ({error:+.2%})"
         )
+
+
+def _onednn_runs_bf16_lstm() -> bool:
+    """Whether a bfloat16 LSTM runs on this CPU (oneDNN has no such kernel on CPUs without AVX-512:
+    "could not create a primitive descriptor for the LSTM forward propagation primitive")."""
+    import torch
+
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.nn.LSTM(8, 8)(torch.randn(3, 2, 8))
+    except RuntimeError as e:
+        if "primitive descriptor" in str(e):
+            return False
+        raise
+    return True
 
 
 def test_calibration_leaves_the_random_generators_as_they_were() -> None:

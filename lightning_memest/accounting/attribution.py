@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 
 from lightning_memest.accounting.flops import FlopObserver
@@ -93,8 +93,13 @@ class ModuleFigures(Observer):
             self.saved[e.module] += self.sizes.get(e.storage, 0)
 
 
-def _within(path: str, prefix: str) -> bool:
-    return not prefix or path == prefix or path.startswith(prefix + ".")
+def _ancestors(path: str) -> Iterator[str]:
+    """``path`` and every module path above it, up to the root ``""``."""
+    while True:
+        yield path
+        if not path:
+            return
+        path = path.rpartition(".")[0]
 
 
 def module_tree(
@@ -112,17 +117,23 @@ def module_tree(
             table = backward_high
         else:
             continue
-        path = s.event.module
         # The op counts for its module and every ancestor.
-        while True:
+        for path in _ancestors(s.event.module):
             if s.live_bytes > table.get(path, -1):
                 table[path] = s.live_bytes
-            if not path:
-                break
-            path = path.rpartition(".")[0]
 
     module_flops = {m.path: m for m in flops.modules} if flops is not None else {}
-    sizes, parameters, saved = figures.sizes, figures.parameters, figures.saved
+    sizes = figures.sizes
+    # Each parameter and saved storage counts for the module that names it and every ancestor: one
+    # pass over them (not one per module, which grows with the square of a deep stack's depth).
+    storages: dict[str, set[int]] = {}
+    saved: Counter[str] = Counter()
+    for name, handle in figures.parameters.items():
+        for path in _ancestors(name):
+            storages.setdefault(path, set()).add(handle)
+    for name, n in figures.saved.items():
+        for path in _ancestors(name):
+            saved[path] += n
 
     def build(node: ModuleNode) -> ModuleStats:
         path = node.path
@@ -131,8 +142,8 @@ def module_tree(
         return ModuleStats(
             path=path,
             type_name=node.type_name,
-            parameter_bytes=sum(sizes[h] for h in {h for p, h in parameters.items() if _within(p, path)}),
-            saved_bytes=sum(n for p, n in saved.items() if _within(p, path)),
+            parameter_bytes=sum(sizes[h] for h in storages.get(path, ())),
+            saved_bytes=saved[path],
             forward_peak_bytes=forward_high.get(path),
             backward_peak_bytes=backward_high.get(path),
             forward_flops=None if counted is None else counted.forward,

@@ -41,6 +41,8 @@ class FlopObserver(Observer):
         self.per_op: dict[str, list[int]] = {}
         self.uncounted: dict[str, None] = {}
         self.formulas: dict[str, _Formulas] = {}  # op name -> its formulas, looked up once per op
+        # id(call) -> (call, flops, other): replayed blocks' events share their template's call
+        self.by_call: dict[int, tuple[object, int, int]] = {}
         self.count: FlopCount | None = None
 
     def on_module_enter(self, e: ModuleEnter) -> None:
@@ -59,12 +61,17 @@ class FlopObserver(Observer):
                 return  # not captured: simulate with captures_flops in the filter
             f, o = 0, e.numel
         else:
-            try:
-                f = formula(e.call) if formula is not None else 0
-                o = other_formula(e.call) if other_formula is not None else 0
-            except (AssertionError, ValueError, TypeError, IndexError, AttributeError):
-                self.uncounted[e.op] = None
-                return
+            known = self.by_call.get(id(e.call))
+            if known is not None and known[0] is e.call:
+                f, o = known[1], known[2]
+            else:
+                try:
+                    f = formula(e.call) if formula is not None else 0
+                    o = other_formula(e.call) if other_formula is not None else 0
+                except (AssertionError, ValueError, TypeError, IndexError, AttributeError):
+                    self.uncounted[e.op] = None
+                    return
+                self.by_call[id(e.call)] = (e.call, f, o)
         if formula is None and other_formula is None:
             return
         self.head[e.phase] += f
