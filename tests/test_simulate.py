@@ -3,6 +3,7 @@ data-dependent reads follow the documented policy, and failures name the op and 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Any
@@ -365,3 +366,43 @@ def test_parameters_made_the_older_torch_way_give_the_same_estimate(monkeypatch:
     monkeypatch.setattr(fake, "_PARAM_FAKES", False)
     plain = estimate_step(model, batch, optimizer=torch.optim.AdamW)
     assert plain.peaks == fast.peaks and plain.modules == fast.modules
+
+
+def test_full_collections_wait_and_the_collector_is_put_back() -> None:
+    # A full collection walks every object of the process; inside a simulation only the young
+    # generations are collected. Without the pause the same allocations do bring a full one.
+    import gc
+
+    from lightning_memest.engine.collector import full_collections_paused
+
+    def generations_collected(paused: bool) -> set[int]:
+        seen: set[int] = set()
+
+        def note(phase: str, info: dict[str, int]) -> None:
+            if phase == "start":
+                seen.add(info["generation"])
+
+        gc.collect()
+        kept: list[list[Any]] = []
+        gc.callbacks.append(note)
+        try:
+            with full_collections_paused() if paused else contextlib.nullcontext():
+                for _ in range(len(gc.get_objects()) // 2 + 50_000):  # well past a quarter of the heap
+                    cycle: list[Any] = []
+                    cycle.append(cycle)
+                    kept.append(cycle)
+        finally:
+            gc.callbacks.remove(note)
+        return seen
+
+    before = gc.get_threshold()
+    assert 2 in generations_collected(paused=False)
+    assert generations_collected(paused=True) == {0, 1}
+    assert gc.get_threshold() == before
+
+    def failing_step(model: nn.Module, batch: Tensor) -> Tensor:
+        raise RuntimeError("a user's bug")
+
+    with pytest.raises(EstimationError):
+        estimate_step(nn.Linear(4, 4), torch.randn(2, 4), loss_fn=failing_step)
+    assert gc.get_threshold() == before and gc.isenabled()

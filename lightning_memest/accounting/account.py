@@ -60,6 +60,7 @@ from lightning_memest.accounting.replay import (
     final_roles,
     walk,
 )
+from lightning_memest.engine.collector import full_collections_paused
 from lightning_memest.engine.events import OpEvent, Phase, Role
 from lightning_memest.engine.simulate import Simulation
 from lightning_memest.engine.tracker import CaptureFilter
@@ -230,6 +231,13 @@ def account(
     With a ``calibration`` of the simulation's device (``accounting.kernels.calibrate``), measured
     kernel memory takes the place of the hand models wherever it has the signature. ``loop`` names
     what the simulated steps ran (``"train"``; a forward-only ``"validate"``, ``"test"``, ``"predict"``)."""
+    with full_collections_paused():  # engine/collector.py: the walk makes an object per op
+        return _account(sim, gpu, calibration, loop)
+
+
+def _account(
+    sim: Simulation, gpu: CudaDevice | None, calibration: Calibration | None, loop: str
+) -> StepEstimate:
     roles = final_roles(sim.events)
     memory = _Memory.of(sim, gpu, calibration, roles)
     flops = FlopObserver()

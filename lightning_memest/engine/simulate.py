@@ -24,6 +24,7 @@ from lightning_memest.batches import iter_tensors
 from lightning_memest.engine.autograd_threads import settle_device_threads
 from lightning_memest.engine.block_replay import BlockReplay, ReplayMismatch, ReplayTracker, block_replay
 from lightning_memest.engine.blocks import repeated_blocks
+from lightning_memest.engine.collector import full_collections_paused
 from lightning_memest.engine.cuda_autocast import cuda_autocast_lists
 from lightning_memest.engine.cuda_paths import cuda_code_paths
 from lightning_memest.engine.distributed import (
@@ -180,6 +181,7 @@ def simulate(
     precision, strategy = config.precision, config.strategy
     converter = FakeConverter(mode, target, true_dtype(precision))
     with ExitStack() as stack:
+        stack.enter_context(full_collections_paused())  # engine/collector.py: no walk of the heap
         stack.enter_context(_preserved_rng())
         if target.type == "cuda" or what_if == "cuda":
             stack.enter_context(_cuda_optimizer_defaults(what_if=what_if == "cuda"))

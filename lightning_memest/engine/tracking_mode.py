@@ -15,6 +15,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
+import torch._subclasses.fake_tensor as _fake_tensor
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
@@ -28,6 +29,9 @@ from lightning_memest.engine.value_sets import carry_value_sets, remember_writte
 __all__ = ["TrackingFakeTensorMode"]
 
 _aten = torch.ops.aten
+#: What the fake mode's ``dispatch`` answers before anything else, from the fake tensor's own fields
+#: (``prim.device``, ``aten.size``, ``aten.stride``, ...): answered the same way, without its wrappers.
+_METADATA_QUERIES: Mapping[Any, Any] = getattr(_fake_tensor, "_DISPATCH_META_HANDLERS", {})
 _SKIP_OPS = frozenset({torch.ops.aten.detach.default, torch.ops.prim.device.default})
 #: In-place elementwise updates of torch.optim's for-loop implementations: the result is ``self``.
 _IN_PLACE_UPDATES = frozenset(
@@ -107,6 +111,11 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
         args: Sequence[object] = (),
         kwargs: Mapping[str, object] | None = None,
     ) -> Any:
+        metadata = _METADATA_QUERIES.get(func)
+        if metadata is not None:
+            # A tensor's device or sizes asked through dispatch (autograd's engine asks for every
+            # gradient's device): the fake mode answers these first thing, without running an op.
+            return metadata(args)
         kwargs = dict(kwargs or {})
         if self._depth:
             # An op run inside another (a fake kernel's own ops, a policy's): not part of the step. Not
