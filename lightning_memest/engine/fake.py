@@ -74,9 +74,24 @@ class FakeConverter:
         key = id(p)
         fake = self._memo.get(key)
         if fake is None:
-            fake = _parameter(self.mode, self._convert(p.detach()), p.requires_grad)
+            fake = self._from_meta(p)
+            if fake is None:
+                fake = _parameter(self.mode, self._convert(p.detach()), p.requires_grad)
             self._memo[key] = fake
         return fake  # type: ignore[return-value]
+
+    def _from_meta(self, p: nn.Parameter) -> Tensor | None:
+        """A parameter of a model built on the meta device, made a fake parameter at once (what
+        ``_convert`` and ``_parameter`` make, less the fake tensor between them: a 70B-405B shape has
+        thousands); ``None`` where the general path is needed (other devices, a dtype to convert)."""
+        if not _PARAM_FAKES or p.device.type != "meta" or p.layout is not torch.strided:
+            return None
+        if isinstance(p, FakeTensor) or _is_sharded(p):
+            return None
+        if self.float_dtype is not None and p.is_floating_point() and p.dtype != self.float_dtype:
+            return None
+        meta = torch.empty_strided(tuple(p.shape), tuple(p.stride()), dtype=p.dtype, device="meta")
+        return FakeTensor(self.mode, meta, self.device, requires_grad=p.requires_grad, _is_param=True)
 
     def any(self, value: Any) -> Any:
         """``value`` made fake if it is a tensor (a parameter stays a parameter), else as it is."""

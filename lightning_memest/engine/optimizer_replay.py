@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from lightning_memest.engine.block_templates import dense, fake_tensor
-from lightning_memest.engine.blocks import BlockGroup, layout_of
+from lightning_memest.engine.blocks import BlockGroup, Layout, layout_of
 from lightning_memest.engine.events import Alloc, Free, OpEvent, Phase, Tag
 from lightning_memest.engine.optimizer_loops import (
     OFF_FLAGS,
@@ -340,6 +340,7 @@ class OptimizerReplay:
             t: (layout_of(params[t]), None if params[t].grad is None else layout_of(params[t].grad))
             for t in range(run.t1, run.t1 + run.q)
         }
+        template_layouts: dict[int, Layout] = {}  # the templates' state tensors, by id
         for i, t in stand:
             p = params[i]
             if layout_of(p) != layouts[t][0]:
@@ -349,7 +350,7 @@ class OptimizerReplay:
             if shapes[(i - run.start) % run.q][1]:
                 if state.get(p):
                     return False
-            elif not self.same_state(state.get(p, {}), state.get(params[t], {})):
+            elif not self.same_state(state.get(p, {}), state.get(params[t], {}), template_layouts):
                 return False
         loop.begin(Iteration(-1, len(self.tracker.events), [], (), tuple(len(lst) for lst in lists)))
         mode = self.tracker.mode
@@ -382,13 +383,18 @@ class OptimizerReplay:
         return True
 
     @staticmethod
-    def same_state(a: dict[Any, Any], b: dict[Any, Any]) -> bool:
+    def same_state(a: dict[Any, Any], b: dict[Any, Any], layouts: dict[int, Layout]) -> bool:
+        """Whether state ``a`` is template state ``b`` in all its iteration depends on (``layouts``:
+        those of the templates' tensors found so far, which every stand-in of the template shares)."""
         if list(a) != list(b):
             return False
         for key, v in b.items():
             w = a[key]
             if isinstance(v, Tensor):
-                if not isinstance(w, Tensor) or layout_of(w) != layout_of(v):
+                lay = layouts.get(id(v))
+                if lay is None:
+                    lay = layouts[id(v)] = layout_of(v)
+                if not isinstance(w, Tensor) or layout_of(w) != lay:
                     return False
                 cv, cw = getattr(v, "constant", None), getattr(w, "constant", None)
                 if (cv is None) != (cw is None) or (cv is not None and cw is not None and not equal(cv, cw)):
