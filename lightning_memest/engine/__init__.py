@@ -14,6 +14,7 @@ tensor can hold; their rules per op in ``value_set_rules.py`` and ``elementwise_
 ``step.py`` (``StepConfig`` and the plain step runner), ``inference_step.py`` (a validation or
 predict batch of a plain model), ``containers.py`` (the module's containers put back after a fake
 run), ``autograd_threads.py`` (autograd's device threads settled before the first fake backward),
+``collector.py`` (Python's full garbage collections wait during a simulation),
 ``simulate.py`` (the entry point),
 ``distributed.py`` (DDP/FSDP on a fake process group), ``cuda_autocast.py`` (CUDA's autocast op lists,
 for what-ifs), ``real_path.py`` (libraries' tracing checks answered as in a real eager run; the known
