@@ -208,6 +208,20 @@ class ToggledManualModule(ManualModule):
         return loss  # type: ignore[no-any-return]
 
 
+class OverriddenStepModule(Classifier):
+    """Automatic optimization with ``optimizer_step`` overridden as Lightning's docs show it: a
+    learning-rate warm-up set by hand, and here the first batch's update skipped (its forward and
+    backward run: the closure is called), so the optimizer's state is made one batch later."""
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any) -> None:
+        if batch_idx == 0:
+            optimizer_closure()
+            return
+        optimizer.step(closure=optimizer_closure)
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3 * min(1.0, (self.trainer.global_step + 1) / 10)
+
+
 class DictBatchModule(Classifier):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         return F.cross_entropy(self(batch["image"]), batch["label"])
@@ -231,6 +245,8 @@ class DictBatchModule(Classifier):
         (ManualModule, {"precision": "16-mixed"}),
         (ToggledManualModule, {}),
         (ToggledManualModule, {"precision": "16-mixed"}),
+        (OverriddenStepModule, {}),
+        (OverriddenStepModule, {"accumulate_grad_batches": 2, "max_steps": 2}),
     ],
     ids=[
         "caching-item-mask-nonzero",
@@ -243,6 +259,8 @@ class DictBatchModule(Classifier):
         "manual-16-mixed",
         "manual-toggle-closure",
         "manual-toggle-closure-16-mixed",
+        "optimizer-step-overridden",
+        "optimizer-step-overridden-accumulate-2",
     ],
 )
 def test_hostile_modules_train_with_at_most_a_warning(
@@ -258,6 +276,22 @@ def test_hostile_modules_train_with_at_most_a_warning(
     if module_cls is CachingModule:
         assert type(module.scale) is Tensor  # the real cache, not a fake one
         assert memest.estimate.data_dependent is not None
+
+
+def test_an_optimizer_step_that_never_runs_its_closure_is_named(tmp_path: Path) -> None:
+    # Lightning's fit stops at such a step; the estimate says why before it does, in one warning.
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    class NoClosure(Classifier):
+        def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any) -> None:
+            optimizer.zero_grad()
+
+    with (
+        pytest.warns(UserWarning, match="did not call its optimizer_closure") as record,
+        pytest.raises(MisconfigurationException, match="closure hasn't been executed"),
+    ):
+        fit(NoClosure(), tmp_path, [MemEstimate()])
+    assert sum("MemEstimate" in str(w.message) for w in record) == 1
 
 
 def test_empty_init_module(tmp_path: Path) -> None:

@@ -6,8 +6,11 @@ What matters for memory is the order of things, and Lightning's differs from a t
 automatic optimization the closure runs ``training_step``, *then* ``optimizer_zero_grad`` (only on the
 first batch of an accumulation window), then backward of ``loss / accumulate_grad_batches``; then
 gradient clipping (``configure_gradient_clipping``), then ``optimizer.step()``. So the gradients of
-the previous step are still alive during the next forward. Manual optimization runs ``training_step``
-alone, which calls ``self.optimizers()``, ``self.manual_backward``, ``opt.step()`` itself.
+the previous step are still alive during the next forward. A module that overrides
+``optimizer_step`` gets that closure and a ``LightningOptimizer`` over the simulation's optimizer, as
+the fit loop gives them: whatever it does (a warm-up, an update skipped) is simulated. Manual
+optimization runs ``training_step`` alone, which calls ``self.optimizers()``, ``self.manual_backward``,
+``opt.step()`` itself.
 
 The module's own methods run (``training_step``, ``configure_optimizers``, ``optimizer_zero_grad``,
 ``backward``, ``configure_gradient_clipping``, ``on_after_batch_transfer``); of other callbacks' hooks
@@ -242,6 +245,29 @@ class LightningRunner:
     def _automatic(self, batch: Any, batch_idx: int, step: int) -> Tensor | None:
         module = self.module
         optimizer = self.optimizers[0] if self.optimizers else None
+        accumulating = (step + 1) % self.accumulate != 0
+        if optimizer is not None and not accumulating and _overrides_optimizer_step(module):
+            # The fit loop hands the module's optimizer_step the closure (training_step, zero_grad,
+            # backward); what it does with them -- a warm-up, a skipped update -- is the step's.
+            closure = _Closure(lambda: self._closure(batch, batch_idx, step))
+            module.optimizer_step(module.current_epoch, batch_idx, self.lightning_optimizers[0], closure)
+            if not closure.ran:
+                raise EstimationError(
+                    "optimizer_step did not call its optimizer_closure (Lightning's fit stops there: "
+                    "call `optimizer.step(closure=optimizer_closure)` or `optimizer_closure()`)"
+                )
+            return closure.loss
+        loss = self._closure(batch, batch_idx, step)
+        if optimizer is None or accumulating:
+            return loss
+        self._optimizer_step(optimizer, loss)
+        return loss
+
+    def _closure(self, batch: Any, batch_idx: int, step: int) -> Tensor | None:
+        """What Lightning's closure runs: ``training_step``, then ``optimizer_zero_grad`` on the first
+        batch of an accumulation window, then backward; the loss."""
+        module = self.module
+        optimizer = self.optimizers[0] if self.optimizers else None
         with self.step_context():
             loss = _loss_of(self._training_step(batch, batch_idx))
         if optimizer is not None and step % self.accumulate == 0:
@@ -249,9 +275,11 @@ class LightningRunner:
             module.optimizer_zero_grad(module.current_epoch, batch_idx, optimizer)
         if loss is not None:
             self._backward(loss / self.accumulate)  # as Lightning's ClosureResult, also when 1
-        accumulating = (step + 1) % self.accumulate != 0
-        if optimizer is None or accumulating:
-            return loss
+        return loss
+
+    def _optimizer_step(self, optimizer: torch.optim.Optimizer, loss: Tensor | None) -> None:
+        """After the closure: unscaling, gradient clipping, the update (as the precision plugin)."""
+        module = self.module
         self._phase(Phase.OPTIMIZER)
         if self.scaler is not None and loss is not None:
             self.scaler.unscale_(optimizer)
@@ -266,7 +294,25 @@ class LightningRunner:
             optimizer.step()
         self.listener.on_optimizer_state(optimizer_state_tensors(optimizer))
         self.optimizer_steps += 1
-        return loss
+
+
+def _overrides_optimizer_step(module: pl.LightningModule) -> bool:
+    return type(module).optimizer_step is not pl.LightningModule.optimizer_step
+
+
+class _Closure:
+    """The closure a module's ``optimizer_step`` gets in automatic optimization: it runs the step's
+    forward and backward once, and gives the loss."""
+
+    def __init__(self, run: Callable[[], Tensor | None]) -> None:
+        self._run = run
+        self.ran = False
+        self.loss: Tensor | None = None
+
+    def __call__(self) -> Tensor | None:
+        self.loss = self._run()
+        self.ran = True
+        return self.loss
 
 
 def _unwrapped(optimizer: torch.optim.Optimizer | LightningOptimizer) -> torch.optim.Optimizer:
@@ -274,11 +320,13 @@ def _unwrapped(optimizer: torch.optim.Optimizer | LightningOptimizer) -> torch.o
 
 
 class _SimulatedOptimizer(LightningOptimizer):
-    """What ``self.optimizers()`` gives in manual optimization: Lightning's wrapper (its ``isinstance``
-    checks, ``.optimizer``, ``toggle_model``, ``step(closure)``) over a simulation's optimizer, without a
-    strategy: its step is the runner's watched one. A closure runs just before it (what torch's step
+    """What ``self.optimizers()`` gives in manual optimization, and an overridden ``optimizer_step`` in
+    automatic optimization: Lightning's wrapper (its ``isinstance`` checks, ``.optimizer``,
+    ``toggle_model``, ``step(closure)``) over a simulation's optimizer, without a strategy. In manual
+    optimization its step is the runner's watched one: a closure runs just before it (what torch's step
     does first; the forward and backward inside keep their phases), or inside it for an optimizer
-    that calls it again (L-BFGS)."""
+    that calls it again (L-BFGS). In automatic optimization it is the fit loop's step after the closure
+    (unscaling, gradient clipping, the update)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, runner: LightningRunner) -> None:
         super().__init__(optimizer)
@@ -292,7 +340,13 @@ class _SimulatedOptimizer(LightningOptimizer):
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         self._on_before_step()
-        if closure is None:
+        if self._runner.module.automatic_optimization:
+            # From an overridden optimizer_step: the closure, then what the precision plugin does after
+            # it (unscaling, clipping) and the update, as the fit loop's own step.
+            with torch.enable_grad():
+                result = closure() if closure is not None else None
+            self._runner._optimizer_step(self._optimizer, _loss_of(result))
+        elif closure is None:
             result = self._optimizer.step(**kwargs)
         elif isinstance(self._optimizer, torch.optim.LBFGS) and self._runner.scaler is None:
             result = self._optimizer.step(closure=closure, **kwargs)  # type: ignore[no-untyped-call]
