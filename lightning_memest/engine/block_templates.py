@@ -137,8 +137,9 @@ def fake_tensor(
     stand-in makes, whose allocation is replayed (an op through the fake mode costs 5x more)."""
     with torch._C._DisableTorchDispatch():
         meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-    state = None if constant is not None or FakeTensorConfig.debug else _fresh_state(mode, device)
-    if state is None or "_fake_device" not in state:  # (torch before 2.14 names its attributes otherwise)
+    state = None if FakeTensorConfig.debug else _fresh_state(mode, device)
+    if state is None or "_fake_device" not in state or state.get("constant", 0) is not None:
+        # (torch before 2.14 names its attributes otherwise)
         return FakeTensor(mode, meta, device, constant=constant)
     # FakeTensor.__new__'s work less its checks and per-attribute descriptors (half its cost; a replayed
     # layer makes some 50): the attributes of a fresh fake tensor of this device, copied from one it made.
@@ -151,6 +152,8 @@ def fake_tensor(
         torch._C._set_throw_on_mutable_data_ptr(t)
     t.__dict__.update(state)
     t.fake_mode = mode
+    if constant is not None:  # a plain attribute, as __new__ sets it (an optimizer's step counter)
+        t.constant = constant
     return t
 
 

@@ -76,14 +76,10 @@ Layout = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype, int, bool]
 
 
 def layout_of(t: Tensor) -> Layout:
-    return (
-        tuple(t.shape),
-        tuple(t.stride()),
-        int(t.storage_offset()),
-        t.dtype,
-        t.untyped_storage().nbytes(),
-        t.requires_grad,
-    )
+    # torch.Size is a tuple (equal, same hash), stride() one already, and no shape is symbolic here:
+    # no conversions (stand-ins and the optimizer's replay ask this some 200 times a replayed layer).
+    offset = int(t.storage_offset())
+    return (t.shape, t.stride(), offset, t.dtype, t.untyped_storage().nbytes(), t.requires_grad)
 
 
 @dataclass(frozen=True, eq=False)

@@ -78,7 +78,7 @@ class Reachable:
     ``roots`` (see the module docstring), as they are now."""
 
     def __init__(self, roots: Iterable[object]) -> None:
-        self._attributes: list[tuple[object, dict[str, Any]]] = []
+        self._attributes: list[tuple[object, list[tuple[str, Any]]]] = []
         self._lists: list[tuple[list[Any], list[Any]]] = []
         self._dicts: list[tuple[dict[Any, Any], list[tuple[Any, Any]]]] = []
         self._sets: list[tuple[set[Any], list[Any]]] = []
@@ -123,22 +123,24 @@ class Reachable:
         state = getattr(obj, "__dict__", None)
         if type(state) is not dict:
             return None
-        self._attributes.append((obj, dict(state)))
-        return list(state.values())
+        pairs = list(state.items())
+        self._attributes.append((obj, pairs))
+        return [v for _, v in pairs]
 
     def restore(self) -> None:
         """Put every recorded attribute dict and container back as it was (the same objects). Only what
         changed is touched: an immutable mapping type that refuses ``clear`` is left alone, unchanged."""
+        # Most containers are a module's empty hook dicts, unchanged: the length first, then identity.
         for obj, attributes in self._attributes:
             state = vars(obj)
-            if not _same_pairs(list(state.items()), attributes.items()):
+            if not _same_pairs(state, attributes):
                 state.clear()
                 state.update(attributes)
         for items_list, items in self._lists:
             if not _same_items(items_list, items):
                 items_list[:] = items
         for mapping, pairs in self._dicts:
-            if not _same_pairs(list(mapping.items()), pairs):
+            if not _same_pairs(mapping, pairs):
                 mapping.clear()  # the type's own methods: an OrderedDict keeps its order structure
                 mapping.update(pairs)
         for members_set, members in self._sets:
@@ -152,16 +154,19 @@ class Reachable:
                 queue.extend(queued)
 
 
-def _same_items(now: Iterable[Any], saved: list[Any]) -> bool:
+def _same_items(now: list[Any] | deque[Any], saved: list[Any]) -> bool:
     """The same objects in the same order (identity: ``==`` on tensors is elementwise)."""
-    current = list(now)
-    return len(current) == len(saved) and all(a is b for a, b in zip(current, saved, strict=True))
+    if len(now) != len(saved):
+        return False
+    return not saved or all(a is b for a, b in zip(list(now), saved, strict=True))
 
 
-def _same_pairs(now: list[tuple[Any, Any]], saved: Iterable[tuple[Any, Any]]) -> bool:
-    before = list(saved)
-    return len(now) == len(before) and all(
-        k is k0 and v is v0 for (k, v), (k0, v0) in zip(now, before, strict=True)
+def _same_pairs(now: dict[Any, Any], saved: list[tuple[Any, Any]]) -> bool:
+    """The same keys and values, in the same order, by identity."""
+    if len(now) != len(saved):
+        return False
+    return not saved or all(
+        k is k0 and v is v0 for (k, v), (k0, v0) in zip(list(now.items()), saved, strict=True)
     )
 
 

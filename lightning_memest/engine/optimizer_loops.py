@@ -208,10 +208,27 @@ class Loop:
             for x in (lst[position] for lst in self.lists)
         )
 
-    def alike(self, position: int, template: int, key: tuple[Any, ...], own: tuple[int | None, ...]) -> bool:
-        """Whether the stand-in's entries are the template's (of ``key``) in all that its iteration
-        depends on: layouts, step counters' values as the template's began, distinct storages."""
-        if self.key(position) != key:
+    def facts(self, position: int) -> tuple[tuple[Any, ...], tuple[int | None, ...]]:
+        """:meth:`key` and :meth:`own` in one pass over the entries (asked of every stand-in)."""
+        handle = self.tracker.handle_of
+        key: list[Any] = []
+        own: list[int | None] = []
+        for lst in self.lists:
+            x = lst[position]
+            if isinstance(x, Tensor):
+                key.append((type(x), x.device, layout_of(x), getattr(x, "constant", None) is None))
+                own.append(handle(x))
+            else:
+                key.append(x is None)
+                own.append(None)
+        return tuple(key), tuple(own)
+
+    def alike(self, position: int, template: int, key: tuple[Any, ...], facts: tuple[Any, ...]) -> bool:
+        """Whether the stand-in's entries (their :meth:`facts`) are the template's (of ``key``) in all
+        that its iteration depends on: layouts, step counters' values as the template's began, distinct
+        storages."""
+        mine, own = facts
+        if mine != key:
             return False
         held = [h for h in own if h is not None]
         if len(set(held)) != len(held) or len(held) != sum(k is not True and k is not False for k in key):

@@ -15,18 +15,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_memest.engine.events import Free
 from lightning_memest.engine.tracker import Tracker
 from lightning_memest.errors import EstimationError
 
 __all__ = ["ReplayMismatch", "ReplayTracker"]
-
-#: A tensor's layout as stored (no subclass's property).
-_LAYOUT: Callable[[Tensor], torch.layout] = torch._C.TensorBase.layout.__get__  # type: ignore[attr-defined]
 
 
 class ReplayMismatch(EstimationError):
@@ -60,18 +55,6 @@ class ReplayTracker(Tracker):
                 if copy in self.linked:
                     self.linked.discard(copy)
                     self.events.append(Free(copy))
-
-    def handle_of(self, t: Tensor) -> int | None:
-        # Stand-ins ask this of every tensor they meet: for a plain fake tensor, its storage's handle
-        # without FakeTensor.layout's Python (it asks is_mkldnn first) -- what Tracker.handle_of finds.
-        if (
-            type(t) is FakeTensor
-            and t.dispatch_keys is None
-            and _LAYOUT(t) is torch.strided
-            and getattr(t, "_local_tensor", None) is None
-        ):
-            return self._handles.get(t.untyped_storage()._cdata)
-        return super().handle_of(t)
 
     def new_handle(self) -> int:
         handle = self._next_handle

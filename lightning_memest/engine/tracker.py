@@ -140,11 +140,16 @@ class Tracker:
     def handle_of(self, t: Tensor) -> int | None:
         """The handle of ``t``'s storage (a DTensor's local shard's; a sparse tensor's values), if it is
         tracked."""
+        if _plain_fake(t):
+            return self._handles.get(t.untyped_storage()._cdata)
         storages = storages_of(local_tensor(t))
         return self._handles.get(storages[-1]._cdata) if storages else None
 
     def handles_of(self, t: Tensor) -> list[int]:
         """The handles of all of ``t``'s storages that are tracked (a sparse tensor has two or three)."""
+        if _plain_fake(t):
+            h = self._handles.get(t.untyped_storage()._cdata)
+            return [] if h is None else [h]
         found = (self._handles.get(s._cdata) for s in storages_of(local_tensor(t)))
         return [h for h in found if h is not None]
 
@@ -394,6 +399,22 @@ class Tracker:
         )
         self.workspace = 0
         self.events.extend(allocs)
+
+
+#: A tensor's layout as stored (no subclass's property: FakeTensor.layout asks is_mkldnn first, in Python).
+_LAYOUT: Callable[[Tensor], torch.layout] = torch._C.TensorBase.layout.__get__  # type: ignore[attr-defined]
+
+
+def _plain_fake(t: Tensor) -> bool:
+    """A strided fake tensor of no subclass and no DTensor: one storage, its own (the common case, asked
+    of every tensor the stand-ins meet and of every gradient and state tensor a step tags)."""
+    return (
+        type(t) is FakeTensor
+        and t.dispatch_keys is None
+        and _LAYOUT(t) is torch.strided
+        and not t.is_mkldnn  # (FakeTensor.layout says _mkldnn then: storages_of finds none)
+        and getattr(t, "_local_tensor", None) is None
+    )
 
 
 def storages_of(t: Tensor) -> list[torch.UntypedStorage]:
