@@ -76,8 +76,8 @@ Layout = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype, int, bool]
 
 
 def layout_of(t: Tensor) -> Layout:
-    # torch.Size is a tuple (equal, same hash), stride() one already, and no shape is symbolic here:
-    # no conversions (stand-ins and the optimizer's replay ask this some 200 times a replayed layer).
+    # torch.Size is a tuple (equal, same hash) and stride() one already: no conversions (stand-ins and
+    # the optimizer's replay ask this some 200 times a replayed layer). The offset's type says SymInt.
     offset = int(t.storage_offset())
     return (t.shape, t.stride(), offset, t.dtype, t.untyped_storage().nbytes(), t.requires_grad)
 

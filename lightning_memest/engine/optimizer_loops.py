@@ -199,17 +199,9 @@ class Loop:
             return None
         return program(self.events(r), own, self.prev(r))
 
-    def key(self, position: int) -> tuple[Any, ...]:
-        """What an iteration's work depends on in its entries: their kinds, devices and layouts."""
-        return tuple(
-            (type(x), x.device, layout_of(x), getattr(x, "constant", None) is None)
-            if isinstance(x, Tensor)
-            else (x is None)
-            for x in (lst[position] for lst in self.lists)
-        )
-
     def facts(self, position: int) -> tuple[tuple[Any, ...], tuple[int | None, ...]]:
-        """:meth:`key` and :meth:`own` in one pass over the entries (asked of every stand-in)."""
+        """What an iteration's work depends on in its entries (their kinds, devices and layouts), and
+        :meth:`own`, in one pass (asked of every stand-in)."""
         handle = self.tracker.handle_of
         key: list[Any] = []
         own: list[int | None] = []

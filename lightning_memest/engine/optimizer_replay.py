@@ -224,7 +224,7 @@ class OptimizerReplay:
         keys = self.carry_over(loop, run, progs)
         if keys is None:
             return False
-        shapes = {t: loop.key(t) for t in range(run.t1, run.t2)}
+        shapes = {t: loop.facts(t)[0] for t in range(run.t1, run.t2)}
         stand = []
         for i in range(run.start, run.stop):
             t = run.t1 + (i - run.start) % run.q
