@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import enum
+import operator
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -78,71 +79,72 @@ class Reachable:
     ``roots`` (see the module docstring), as they are now."""
 
     def __init__(self, roots: Iterable[object]) -> None:
-        self._attributes: list[tuple[object, list[tuple[str, Any]]]] = []
+        # Keys and values apart: compared by identity at C speed (map(operator.is_, ...)).
+        self._attributes: list[tuple[object, list[str], list[Any]]] = []
         self._lists: list[tuple[list[Any], list[Any]]] = []
-        self._dicts: list[tuple[dict[Any, Any], list[tuple[Any, Any]]]] = []
+        self._dicts: list[tuple[dict[Any, Any], list[Any], list[Any]]] = []
         self._sets: list[tuple[set[Any], list[Any]]] = []
         self._deques: list[tuple[deque[Any], list[Any]]] = []
         self._walk(list(roots))
 
     def _walk(self, stack: list[object]) -> None:
         seen: set[int] = set()
+        kinds: dict[type, int] = dict(_KINDS)  # a class's kind found once a walk (a model has few)
+        lists, dicts, sets, deques = self._lists, self._dicts, self._sets, self._deques
+        attributes = self._attributes
         while stack and len(seen) < _LIMIT:
-            obj = stack.pop()
-            if type(obj) in _ATOMS or id(obj) in seen:
+            obj: Any = stack.pop()
+            cls = type(obj)
+            if cls in _ATOMS or id(obj) in seen:
                 continue
             seen.add(id(obj))
-            inside = self._record(obj)
-            if inside is not None:
-                stack.extend(v for v in inside if type(v) not in _ATOMS)
-
-    def _record(self, obj: Any) -> list[Any] | None:
-        """Remember ``obj``'s contents where it is mutable; what it holds, where it is walked."""
-        cls = type(obj)
-        # type(), not isinstance: isinstance asks __class__, which a proxy object may answer lazily.
-        if issubclass(cls, list):
-            items = list(obj)
-            self._lists.append((obj, items))
-            return items
-        if issubclass(cls, dict):
-            pairs = list(obj.items())
-            self._dicts.append((obj, pairs))
-            return [v for pair in pairs for v in pair]
-        if issubclass(cls, set):
-            members = list(obj)
-            self._sets.append((obj, members))
-            return members
-        if issubclass(cls, deque):
-            queued = list(obj)
-            self._deques.append((obj, queued))
-            return queued
-        if issubclass(cls, (tuple, frozenset)):
-            return list(obj)
-        if not _walked(cls):
-            return None
-        state = getattr(obj, "__dict__", None)
-        if type(state) is not dict:
-            return None
-        pairs = list(state.items())
-        self._attributes.append((obj, pairs))
-        return [v for _, v in pairs]
+            kind = kinds.get(cls)
+            if kind is None:
+                kind = kinds[cls] = _kind(cls)
+            if kind == _DICT:
+                if not obj:  # most are a module's empty hook dicts
+                    dicts.append((obj, [], []))
+                    continue
+                keys, values = list(obj), list(obj.values())
+                dicts.append((obj, keys, values))
+                inside: list[Any] = keys + values
+            elif kind == _OBJECT:
+                state = getattr(obj, "__dict__", None)
+                if type(state) is not dict:
+                    continue
+                names, inside = list(state), list(state.values())
+                attributes.append((obj, names, inside))
+            elif kind == _LIST:
+                inside = list(obj)
+                lists.append((obj, inside))
+            elif kind == _SET:
+                inside = list(obj)
+                sets.append((obj, inside))
+            elif kind == _DEQUE:
+                inside = list(obj)
+                deques.append((obj, inside))
+            elif kind == _FROZEN:
+                inside = list(obj)
+            else:
+                continue
+            stack.extend([v for v in inside if type(v) not in _ATOMS])
 
     def restore(self) -> None:
         """Put every recorded attribute dict and container back as it was (the same objects). Only what
         changed is touched: an immutable mapping type that refuses ``clear`` is left alone, unchanged."""
         # Most containers are a module's empty hook dicts, unchanged: the length first, then identity.
-        for obj, attributes in self._attributes:
+        for obj, names, values in self._attributes:
             state = vars(obj)
-            if not _same_pairs(state, attributes):
+            if not _same_pairs(state, names, values):
                 state.clear()
-                state.update(attributes)
+                state.update(zip(names, values, strict=True))
         for items_list, items in self._lists:
             if not _same_items(items_list, items):
                 items_list[:] = items
-        for mapping, pairs in self._dicts:
-            if not _same_pairs(mapping, pairs):
+        for mapping, keys, values in self._dicts:
+            if len(mapping) != len(keys) or (keys and not _same_pairs(mapping, keys, values)):
                 mapping.clear()  # the type's own methods: an OrderedDict keeps its order structure
-                mapping.update(pairs)
+                mapping.update(zip(keys, values, strict=True))
         for members_set, members in self._sets:
             # Membership tries identity first: the same objects are found without __eq__.
             if len(members_set) != len(members) or not all(m in members_set for m in members):
@@ -154,19 +156,40 @@ class Reachable:
                 queue.extend(queued)
 
 
+_LIST, _DICT, _SET, _DEQUE, _FROZEN, _OBJECT, _SKIP = range(7)
+
+#: The kinds of the common exact types; any other class's is found by :func:`_kind`.
+_KINDS: dict[type, int] = {list: _LIST, dict: _DICT, set: _SET, deque: _DEQUE, tuple: _FROZEN}
+
+
+def _kind(cls: type) -> int:
+    """How objects of ``cls`` are walked: as the container they are (subclasses too: ``issubclass``,
+    not isinstance, which asks ``__class__``, which a proxy object may answer lazily), by their
+    attributes (:func:`_walked`), or not at all."""
+    if issubclass(cls, list):
+        return _LIST
+    if issubclass(cls, dict):
+        return _DICT
+    if issubclass(cls, set):
+        return _SET
+    if issubclass(cls, deque):
+        return _DEQUE
+    if issubclass(cls, (tuple, frozenset)):
+        return _FROZEN
+    return _OBJECT if _walked(cls) else _SKIP
+
+
 def _same_items(now: list[Any] | deque[Any], saved: list[Any]) -> bool:
     """The same objects in the same order (identity: ``==`` on tensors is elementwise)."""
-    if len(now) != len(saved):
-        return False
-    return not saved or all(a is b for a, b in zip(list(now), saved, strict=True))
+    return len(now) == len(saved) and all(map(operator.is_, now, saved))
 
 
-def _same_pairs(now: dict[Any, Any], saved: list[tuple[Any, Any]]) -> bool:
+def _same_pairs(now: dict[Any, Any], keys: list[Any], values: list[Any]) -> bool:
     """The same keys and values, in the same order, by identity."""
-    if len(now) != len(saved):
-        return False
-    return not saved or all(
-        k is k0 and v is v0 for (k, v), (k0, v0) in zip(list(now.items()), saved, strict=True)
+    return (
+        len(now) == len(keys)
+        and all(map(operator.is_, now, keys))
+        and all(map(operator.is_, now.values(), values))
     )
 
 
