@@ -40,33 +40,30 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_memest.engine.block_templates import (
     Template,
     backward_into,
     dense,
-    fake_tensor,
     forward_template,
 )
 from lightning_memest.engine.blocks import (
     BlockGroup,
     BlockRecord,
-    Canon,
-    Layout,
     layout_of,
     relative_path,
 )
-from lightning_memest.engine.events import Alloc, Free, ModuleEnter, ModuleExit, OpEvent, Phase, Tag
+from lightning_memest.engine.events import ModuleEnter, ModuleExit, Phase
+from lightning_memest.engine.fake import device_of
 from lightning_memest.engine.replay_tracker import ReplayMismatch, ReplayTracker
+from lightning_memest.engine.stand_in_events import Call, CallEvents
 from lightning_memest.engine.tracker import Tracker
-from lightning_memest.engine.tracking_mode import TrackingFakeTensorMode
 
 __all__ = ["ReplayMismatch", "ReplayTracker", "block_replay"]
 
@@ -77,31 +74,12 @@ def _input_key(leaves: list[Any], spec: Any) -> Any:
     parts: list[Any] = []
     for v in leaves:
         if isinstance(v, Tensor):
-            parts.append((layout_of(v), v.device))
+            parts.append((layout_of(v), device_of(v)))
         elif isinstance(v, _SIMPLE):
             parts.append(("v", v))
         else:
             parts.append(("obj", id(v)))  # the same object for every instance, or no match
     return (str(spec), tuple(parts), torch.is_grad_enabled(), torch.is_autocast_enabled("cpu"))
-
-
-@dataclass
-class _Call:
-    """One stand-in's call: the handles its canonical names stand for, and the real storages."""
-
-    block: str
-    inputs: tuple[int | None, ...]
-    params: tuple[int | None, ...]
-    buffers: tuple[int | None, ...]
-    param_objects: tuple[nn.Parameter, ...]
-    param_devices: tuple[torch.device, ...]
-    internal: dict[int, int] = field(default_factory=dict)
-    real: dict[int, int] = field(default_factory=dict)  # handle -> storage key, for bound storages
-    keep: list[Tensor] = field(default_factory=list)
-    grad_output: int | None = None
-    grads_before: tuple[int | None, ...] = ()  # the parameters' gradients as the backward began
-    device: torch.device | None = None  # the input's: where the stand-in makes its tensors
-    paths: dict[str, str] = field(default_factory=dict)  # a template's module path -> this call's
 
 
 @dataclass(frozen=True)
@@ -131,8 +109,7 @@ class _Group:
         if found is None:
             path = next(p for p, m in zip(self.group.members, self.group.modules, strict=True) if m is module)
             params = tuple(module.parameters())
-            # Inside the mode a fake tensor's .device is an op (prim.device); its fake_device is not.
-            devices = tuple(p.fake_device if isinstance(p, FakeTensor) else p.device for p in params)
+            devices = tuple(device_of(p) for p in params)
             found = self.members[id(module)] = _Member(path, params, tuple(module.buffers()), devices)
         return found
 
@@ -159,7 +136,8 @@ class BlockReplay:
         self.tracker = tracker
         # A group of several kinds in turn replays each kind on its own, from its own templates.
         self.groups = [_Group(phase) for g in groups for phase in g.phases()]
-        self.calls: dict[int, tuple[_Group, _Call]] = {}
+        self.calls: dict[int, tuple[_Group, Call]] = {}
+        self.out = CallEvents(tracker)
         self._next_call = 0
         self.replayed: dict[str, int] = {}
         """Stand-ins per group in the last step that had any."""
@@ -324,7 +302,7 @@ class BlockReplay:
         tracker = self.tracker
         handles = tuple(tracker.handle_of(v) if isinstance(v, Tensor) else None for v in leaves)
         member = state.member(module)
-        call = _Call(
+        call = Call(
             member.path,
             handles,
             tuple(tracker.handle_of(p) for p in member.params),
@@ -336,8 +314,8 @@ class BlockReplay:
             if h is not None:
                 call.real[h] = v.untyped_storage()._cdata
         x = leaves[template.grad_leaf]
-        call.device = x.device
-        self._emit(template.forward, call, Phase.FORWARD)
+        call.device = device_of(x)
+        self.out.emit(template.forward, call, Phase.FORWARD)
         tracker.real_ops.update(template.record.forward_real)
         for n in template.linked:
             if not tracker.link(template.record.internal_handle(n), call.internal[n]):
@@ -350,8 +328,8 @@ class BlockReplay:
             if i == template.grad_output:
                 t = _StandIn.apply(self, call_id, i, x)
             else:
-                t = self._make(lay, call.device)
-                self._bind(call, t, canon)
+                t = self.out.make(lay, call.device)
+                self.out.bind(call, t, canon)
             outs.append(t)
         call.keep = [leaves[k] for k in template.hold_inputs] + [outs[i] for i in template.hold_outputs]
         flat = list(template.output_spec[1])
@@ -364,8 +342,8 @@ class BlockReplay:
         template = state.template
         assert template is not None
         assert call.device is not None
-        t = self._make(template.output_layouts[i], call.device)
-        self._bind(call, t, template.outputs[i])
+        t = self.out.make(template.output_layouts[i], call.device)
+        self.out.bind(call, t, template.outputs[i])
         return t
 
     def backward(self, call_id: int, grad: Tensor | None) -> Tensor:
@@ -382,17 +360,17 @@ class BlockReplay:
         assert template.backward is not None and template.grad_input is not None
         # Gradients accumulated into (a second micro-batch): the template's add_ names them.
         call.grads_before = _grad_handles(tracker, call.param_objects)
-        self._emit(template.backward, call, Phase.BACKWARD)
+        self.out.emit(template.backward, call, Phase.BACKWARD)
         tracker.real_ops.update(template.backward_real)
         assert template.grad_input_layout is not None and dense(template.grad_input_layout)
         assert call.device is not None
-        grad_in = self._make(template.grad_input_layout, call.device)
+        grad_in = self.out.make(template.grad_input_layout, call.device)
         if template.grad_input == ("go", 0):  # the output's gradient's storage, taken over
             key = call.real.pop(h, None)
             if key is None:
                 raise ReplayMismatch(f"the gradient of block {call.block}'s output is gone")
             tracker.forget(key, h)
-        self._bind(call, grad_in, template.grad_input)
+        self.out.bind(call, grad_in, template.grad_input)
         for p, device, (canon, lay) in zip(
             call.param_objects, call.param_devices, template.param_grads, strict=True
         ):
@@ -404,8 +382,8 @@ class BlockReplay:
                 continue
             if p.grad is not None:
                 raise ReplayMismatch(f"a parameter of block {call.block} already had a gradient")
-            g = self._make(lay, device)
-            self._bind(call, g, canon)
+            g = self.out.make(lay, device)
+            self.out.bind(call, g, canon)
             with torch._C._DisableTorchDispatch():  # the setter's checks ask both for devices: 6 ops
                 p.grad = g
         call.keep = []
@@ -428,88 +406,6 @@ class BlockReplay:
             raise ReplayMismatch(f"block {record.path}'s backward leaves storages a stand-in cannot make")
         state.backward_ready = True
         return template
-
-    # --- events and storages ---------------------------------------------------------------------------
-    def _resolve(self, call: _Call, c: Canon) -> int:
-        kind, n = c
-        if kind == "i":  # named by its op's event before its allocation: given its handle then
-            h = call.internal.get(n)
-            if h is None:
-                h = call.internal[n] = self.tracker.new_handle()
-            return h
-        if kind == "in":
-            h = call.inputs[n]
-        elif kind == "p":
-            h = call.params[n]
-        elif kind == "b":
-            h = call.buffers[n]
-        elif kind == "go":
-            h = call.grad_output
-        elif kind == "pg":
-            h = call.grads_before[n] if n < len(call.grads_before) else None
-        else:
-            return n
-        if h is None:
-            raise ReplayMismatch(f"block {call.block} has no storage for {c}")
-        return h
-
-    def _path(self, call: _Call, rel: str) -> str:
-        path = call.paths.get(rel)
-        if path is None:  # once per module of the call: its events share the string
-            path = call.block if rel == "@" else call.block + rel[1:] if rel.startswith("@.") else rel
-            call.paths[rel] = path
-        return path
-
-    def _emit(self, program: tuple[Any, ...], call: _Call, phase: Phase) -> None:
-        tracker = self.tracker
-        events = tracker.events
-        step = tracker.step
-        resolve, path = self._resolve, self._path
-        for ins in program:
-            kind = ins[0]
-            if kind == "op":
-                tracker.op_index += 1
-                outs = (
-                    None if ins[4] is None else tuple(-1 if c is None else resolve(call, c) for c in ins[4])
-                )
-                events.append(
-                    OpEvent(tracker.op_index, step, phase, path(call, ins[2]), ins[1], ins[3], outs, ins[5])
-                )
-            elif kind == "alloc":
-                events.append(Alloc(resolve(call, ins[1]), ins[2]))
-            elif kind == "free":
-                h = resolve(call, ins[1])
-                key = call.real.pop(h, None)
-                if key is not None:
-                    tracker.forget(key, h)
-                tracker.linked.discard(h)
-                events.append(Free(h))
-            elif kind == "tag":
-                events.append(Tag(resolve(call, ins[1]), ins[2], path(call, ins[3])))
-            elif kind == "enter":
-                tracker.enter_module(path(call, ins[1]), backward=phase is Phase.BACKWARD)
-            else:  # exit
-                p = path(call, ins[1])
-                stack = tracker._backward_stack if phase is Phase.BACKWARD else tracker._forward_stack
-                for i in range(len(stack) - 1, -1, -1):
-                    if stack[i] == p:
-                        del stack[i]
-                        break
-                events.append(ModuleExit(p, ins[2], tuple(resolve(call, c) for c in ins[3])))
-        tracker._step_ran_op = True
-
-    def _make(self, lay: Layout, device: torch.device) -> Tensor:
-        shape, stride, offset, dtype, nbytes, _ = lay
-        mode = self.tracker.mode
-        assert isinstance(mode, TrackingFakeTensorMode)
-        t = fake_tensor(mode, shape, stride, dtype, device)  # the template's allocation stands for it
-        if offset or t.untyped_storage().nbytes() != nbytes:
-            raise ReplayMismatch("a stand-in cannot make a tensor of this layout")
-        return t
-
-    def _bind(self, call: _Call, t: Tensor, canon: Canon) -> None:
-        h = self._resolve(call, canon)
-        call.real[h] = self.tracker.bind(t, h)
 
     def stood_in(self) -> bool:
         """Whether any stand-in ran in this simulation (this step, or an earlier one)."""

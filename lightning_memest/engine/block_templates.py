@@ -16,14 +16,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from torch import Tensor
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
-
 from lightning_memest.engine.blocks import BlockRecord, Canon, Layout
 from lightning_memest.engine.events import Role
 
-__all__ = ["Template", "backward_into", "dense", "fake_tensor", "forward_template"]
+__all__ = ["Template", "backward_into", "dense", "forward_template"]
 
 
 @dataclass
@@ -123,51 +119,3 @@ def dense(lay: Layout) -> bool:
     shape, stride, offset, dtype, nbytes, _ = lay
     extent = 0 if 0 in shape else 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True))
     return offset == 0 and extent * dtype.itemsize == nbytes
-
-
-def fake_tensor(
-    mode: FakeTensorMode,
-    shape: tuple[int, ...],
-    stride: tuple[int, ...],
-    dtype: torch.dtype,
-    device: torch.device,
-    constant: Tensor | None = None,
-) -> Tensor:
-    """A fake tensor of ``mode`` with a storage of its own, made without running an op: what a
-    stand-in makes, whose allocation is replayed (an op through the fake mode costs 5x more)."""
-    with torch._C._DisableTorchDispatch():
-        meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
-    state = None if FakeTensorConfig.debug else _fresh_state(mode, device)
-    if state is None or "_fake_device" not in state or state.get("constant", 0) is not None:
-        # (torch before 2.14 names its attributes otherwise)
-        return FakeTensor(mode, meta, device, constant=constant)
-    # FakeTensor.__new__'s work less its checks and per-attribute descriptors (half its cost; a replayed
-    # layer makes some 50): the attributes of a fresh fake tensor of this device, copied from one it made.
-    t = Tensor._make_subclass(
-        FakeTensor, meta, False, dispatch_device=True, device_for_backend_keys=state["_fake_device"]
-    )
-    if mode._allow_unsafe_data_ptr_access:
-        torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
-    else:
-        torch._C._set_throw_on_mutable_data_ptr(t)
-    t.__dict__.update(state)
-    t.fake_mode = mode
-    if constant is not None:  # a plain attribute, as __new__ sets it (an optimizer's step counter)
-        t.constant = constant
-    return t
-
-
-_FRESH: dict[torch.device, dict[str, Any]] = {}
-
-
-def _fresh_state(mode: FakeTensorMode, device: torch.device) -> dict[str, Any]:
-    """The instance attributes ``FakeTensor.__new__`` gives a tensor on ``device`` without a constant,
-    less its mode (the same for every such tensor: none depends on the tensor)."""
-    state = _FRESH.get(device)
-    if state is None:
-        with torch._C._DisableTorchDispatch():
-            meta = torch.empty(0, device="meta")
-        state = dict(FakeTensor(mode, meta, device).__dict__)
-        del state["fake_mode"]  # set per tensor: a mode kept here would keep its simulation alive
-        _FRESH[device] = state
-    return state

@@ -21,14 +21,16 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTensorMode
 
 from lightning_memest.batches import map_tensors
 from lightning_memest.engine.containers import Reachable
 
 __all__ = [
     "FakeConverter",
+    "device_of",
     "fake_module",
+    "fake_tensor",
     "local_tensor",
     "resident_tensors",
     "setattr_raw",
@@ -90,8 +92,10 @@ class FakeConverter:
             return None
         if self.float_dtype is not None and p.is_floating_point() and p.dtype != self.float_dtype:
             return None
-        meta = torch.empty_strided(tuple(p.shape), tuple(p.stride()), dtype=p.dtype, device="meta")
-        return FakeTensor(self.mode, meta, self.device, requires_grad=p.requires_grad, _is_param=True)
+        shape, stride = tuple(p.shape), tuple(p.stride())
+        return fake_tensor(
+            self.mode, shape, stride, p.dtype, self.device, requires_grad=p.requires_grad, is_param=True
+        )
 
     def any(self, value: Any) -> Any:
         """``value`` made fake if it is a tensor (a parameter stays a parameter), else as it is."""
@@ -104,6 +108,71 @@ class FakeConverter:
     def batch(self, batch: Any) -> Any:
         """The batch with every tensor made fake (any structure ``batches.map_tensors`` walks)."""
         return map_tensors(batch, self.tensor)
+
+
+def device_of(t: Tensor) -> torch.device:
+    """``t.device``, read without ``FakeTensor.device``'s property (a fake tensor's ``fake_device``)."""
+    return t.fake_device if isinstance(t, FakeTensor) else t.device
+
+
+def fake_tensor(
+    mode: FakeTensorMode,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    constant: Tensor | None = None,
+    *,
+    requires_grad: bool = False,
+    is_param: bool = False,
+) -> Tensor:
+    """A fake tensor of ``mode`` with a storage of its own, made without running an op: what a
+    stand-in makes, whose allocation is replayed (an op through the fake mode costs 5x more), and a
+    model's parameter where it was built on the meta device (``is_param``: ``isinstance(t,
+    nn.Parameter)`` holds, as ``FakeTensor(..., _is_param=True)`` makes it)."""
+    with torch._C._DisableTorchDispatch():
+        meta = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    state = None if FakeTensorConfig.debug else _fresh_state(mode, device)
+    if state is None or "_fake_device" not in state or state.get("constant", 0) is not None:
+        # (torch before 2.14 names its attributes otherwise, and takes no requires_grad: no parameters)
+        if requires_grad or is_param:
+            return FakeTensor(
+                mode, meta, device, constant=constant, requires_grad=requires_grad, _is_param=is_param
+            )
+        return FakeTensor(mode, meta, device, constant=constant)
+    # FakeTensor.__new__'s work less its checks and per-attribute descriptors (half its cost; a replayed
+    # layer makes some 50, a model some ten a layer): the attributes of a fresh fake tensor of this
+    # device, copied from one it made.
+    t = Tensor._make_subclass(
+        FakeTensor, meta, requires_grad, dispatch_device=True, device_for_backend_keys=state["_fake_device"]
+    )
+    if mode._allow_unsafe_data_ptr_access:
+        torch._C._set_warn_deprecated_on_mutable_data_ptr(t)
+    else:
+        torch._C._set_throw_on_mutable_data_ptr(t)
+    t.__dict__.update(state)
+    t.fake_mode = mode
+    if constant is not None:  # a plain attribute, as __new__ sets it (an optimizer's step counter)
+        t.constant = constant
+    if is_param:
+        t._is_param = True
+    return t
+
+
+_FRESH: dict[torch.device, dict[str, Any]] = {}
+
+
+def _fresh_state(mode: FakeTensorMode, device: torch.device) -> dict[str, Any]:
+    """The instance attributes ``FakeTensor.__new__`` gives a tensor on ``device`` without a constant,
+    less its mode (the same for every such tensor: none depends on the tensor)."""
+    state = _FRESH.get(device)
+    if state is None:
+        with torch._C._DisableTorchDispatch():
+            meta = torch.empty(0, device="meta")
+        state = dict(FakeTensor(mode, meta, device).__dict__)
+        del state["fake_mode"]  # set per tensor: a mode kept here would keep its simulation alive
+        _FRESH[device] = state
+    return state
 
 
 #: Whether this torch's ``FakeTensor`` constructor makes parameters (``requires_grad``, ``_is_param``:

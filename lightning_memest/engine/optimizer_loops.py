@@ -18,7 +18,6 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-from lightning_memest.engine.blocks import layout_of
 from lightning_memest.engine.events import Alloc, Event, Free, OpEvent, Phase, Tag
 from lightning_memest.engine.replay_tracker import ReplayMismatch
 from lightning_memest.engine.tracker import Tracker
@@ -199,35 +198,39 @@ class Loop:
             return None
         return program(self.events(r), own, self.prev(r))
 
-    def facts(self, position: int) -> tuple[tuple[Any, ...], tuple[int | None, ...]]:
+    def facts(self, position: int) -> tuple[tuple[Any, ...], tuple[int | None, ...], tuple[Any, ...]]:
         """What an iteration's work depends on in its entries (their kinds, devices and layouts), and
-        :meth:`own`, in one pass (asked of every stand-in)."""
-        handle = self.tracker.handle_of
+        :meth:`own`, and the entries' constants (step counters), in one pass (asked of every stand-in)."""
+        entry = self.tracker.handle_and_layout
         key: list[Any] = []
         own: list[int | None] = []
+        consts: list[Any] = []
         for lst in self.lists:
             x = lst[position]
             if isinstance(x, Tensor):
-                key.append((type(x), x.device, layout_of(x), getattr(x, "constant", None) is None))
-                own.append(handle(x))
+                h, lay = entry(x)
+                c = getattr(x, "constant", None)
+                key.append((lay, c is None))
+                own.append(h)
+                consts.append(c)
             else:
                 key.append(x is None)
                 own.append(None)
-        return tuple(key), tuple(own)
+                consts.append(None)
+        return tuple(key), tuple(own), tuple(consts)
 
-    def alike(self, position: int, template: int, key: tuple[Any, ...], facts: tuple[Any, ...]) -> bool:
+    def alike(self, template: int, key: tuple[Any, ...], facts: tuple[Any, ...]) -> bool:
         """Whether the stand-in's entries (their :meth:`facts`) are the template's (of ``key``) in all
         that its iteration depends on: layouts, step counters' values as the template's began, distinct
         storages."""
-        mine, own = facts
+        mine, own, consts = facts
         if mine != key:
             return False
         held = [h for h in own if h is not None]
         if len(set(held)) != len(held) or len(held) != sum(k is not True and k is not False for k in key):
             return False
         before = self.iters[self.at[template]].before
-        for k, lst in enumerate(self.lists):
-            c = getattr(lst[position], "constant", None)
+        for k, c in enumerate(consts):
             if c is None:
                 continue
             was = before[k] if k < len(before) else None
@@ -235,13 +238,13 @@ class Loop:
                 return False
         return True
 
-    def followconstants(self, position: int, template: int) -> None:
-        """A stand-in's step counters take the values its template's iteration gave them."""
+    def followconstants(self, template: int, consts: tuple[Any, ...]) -> None:
+        """A stand-in's step counters (its :meth:`facts`' constants) take the values its template's
+        iteration gave them."""
         with torch._C._DisableTorchDispatch():
-            for lst in self.lists:
-                a, b = lst[position], lst[template]
-                if isinstance(b, FakeTensor) and b.constant is not None:
-                    a.constant.copy_(b.constant)
+            for lst, c in zip(self.lists, consts, strict=True):
+                if c is not None:
+                    c.copy_(lst[template].constant)
 
     def templates(self, run: Run, extra: Callable[[int], Any] | None = None) -> list[Program] | None:
         """Block 1's iterations, equal to block 2's, each outliving storages the next one frees."""

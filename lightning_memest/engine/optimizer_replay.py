@@ -46,9 +46,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_memest.engine.block_templates import dense, fake_tensor
+from lightning_memest.engine.block_templates import dense
 from lightning_memest.engine.blocks import BlockGroup, Layout, layout_of
 from lightning_memest.engine.events import Alloc, Free, OpEvent, Phase, Tag
+from lightning_memest.engine.fake import fake_tensor
 from lightning_memest.engine.optimizer_loops import (
     OFF_FLAGS,
     Canon,
@@ -76,6 +77,7 @@ class OptimizerReplay:
         self.count = 0
         """Parameter iterations replayed (state creations and updates, every step)."""
         self._owner: dict[int, tuple[int, int, int]] | None = None  # id(parameter) -> group, block, index
+        self._compiled: dict[int, tuple[Any, ...]] = {}  # by id(program): the program and _compile's
 
     def runs(self, params: Sequence[Any]) -> dict[int, Run]:
         """Where each group's blocks 1 .. N-2 lie in ``params``, block after block, in the same order
@@ -115,39 +117,41 @@ class OptimizerReplay:
         """Append one iteration's events with ``own``'s handles and fresh ones; those, by allocation."""
         tracker = self.tracker
         events, step = tracker.events, tracker.step
-        internal: dict[int, int] = {}
-
-        def resolve(c: Canon) -> int:
+        compiled = self._compiled.get(id(prog))
+        if compiled is None or compiled[0] is not prog:
+            compiled = self._compiled[id(prog)] = (prog, *_compile(prog))
+        _, code, canons, internal = compiled
+        # Each name resolved once, in the order of first use (fresh handles as the instructions'
+        # own order would give them), then read by index.
+        hs: list[int] = []
+        for c in canons:
             kind = c[0]
             if kind == "i":
-                h = internal.get(c[1])
-                if h is None:
-                    h = internal[c[1]] = tracker.new_handle()
-                return h
-            if kind == "o":
+                hs.append(tracker.new_handle())
+            elif kind == "o":
                 h = own[c[1]]
                 assert h is not None
-                return h
-            if kind == "prev":
-                return prev[c[1]][0]
-            return int(c[1])
-
-        for ins in prog:
+                hs.append(h)
+            elif kind == "prev":
+                hs.append(prev[c[1]][0])
+            else:
+                hs.append(int(c[1]))
+        for ins in code:
             kind = ins[0]
             if kind == "op":
                 tracker.op_index += 1
-                outs = None if ins[4] is None else tuple(resolve(c) for c in ins[4])
+                outs = None if ins[4] is None else tuple([hs[k] for k in ins[4]])
                 events.append(
                     OpEvent(tracker.op_index, step, Phase.OPTIMIZER, ins[2], ins[1], ins[3], outs, ins[5])
                 )
             elif kind == "alloc":
-                events.append(Alloc(resolve(ins[1]), ins[2]))
+                events.append(Alloc(hs[ins[1]], ins[2]))
             elif kind == "free":
-                events.append(Free(resolve(ins[1])))
+                events.append(Free(hs[ins[1]]))
             else:
-                events.append(Tag(resolve(ins[1]), ins[2], ins[3]))
+                events.append(Tag(hs[ins[1]], ins[2], ins[3]))
         tracker._step_ran_op = True
-        return [internal[n] for n in range(len(internal))]
+        return [hs[k] for k in internal]
 
     def carry_over(self, loop: Loop, run: Run, progs: list[Program]) -> dict[int, int] | None:
         """The storage keys of what the last real iteration left for the first stand-in to free."""
@@ -229,18 +233,17 @@ class OptimizerReplay:
         for i in range(run.start, run.stop):
             t = run.t1 + (i - run.start) % run.q
             facts = loop.facts(i)
-            if not loop.alike(i, t, shapes[t], facts):
+            if not loop.alike(t, shapes[t], facts):
                 return False
-            own = facts[1]
-            stand.append((i, t, own))
+            stand.append((i, t, facts[1], facts[2]))
         sizes = [allocation_sizes(p[0]) for p in progs]
         loop.begin(Iteration(-1, len(self.tracker.events)))
         prev = loop.internals(loop.at[run.start - 1])
-        for i, t, own in stand:
+        for i, t, own, consts in stand:
             m = (i - run.start) % run.q
             made = self.emit(progs[m][0], own, prev)
             prev = list(zip(made, sizes[m], strict=True))
-            loop.followconstants(i, t)
+            loop.followconstants(t, consts)
         self.hand_over(loop, run, progs, keys, prev)
         loop.pending = prev
         loop.done.append(run)
@@ -360,6 +363,7 @@ class OptimizerReplay:
                 return False
         loop.begin(Iteration(-1, len(self.tracker.events), [], (), tuple(len(lst) for lst in lists)))
         mode = self.tracker.mode
+        specs: dict[int, tuple[Any, ...]] = {}
         for i, t in stand:
             m = (i - run.start) % run.q
             p, tp = params[i], params[t]
@@ -374,7 +378,10 @@ class OptimizerReplay:
                 new: dict[Any, Any] = {}
                 for key, v in state[tp].items():
                     if isinstance(v, Tensor):
-                        t_new = _fake_like(mode, v)
+                        spec = specs.get(id(v))
+                        if spec is None:  # the template's layout once, not once per stand-in
+                            spec = specs[id(v)] = (tuple(v.shape), tuple(v.stride()), v.dtype, v.device)
+                        t_new = _fake_like(mode, v, spec)
                         self.tracker.bind(t_new, made_handles[held[key]])
                         new[key] = t_new
                     else:
@@ -410,13 +417,37 @@ class OptimizerReplay:
         return True
 
 
-def _fake_like(mode: Any, v: Tensor) -> Tensor:
-    """A fake tensor of ``v``'s layout and constant (a stand-in's state: its allocation is replayed)."""
+def _compile(prog: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], list[Canon], list[int]]:
+    """An iteration's program with its names replaced by their indexes in the list of names returned
+    (each at its first use), and the indexes of its own storages (``("i", n)``) by ``n``."""
+    names: dict[Canon, int] = {}
+
+    def name(c: Canon) -> int:
+        return names.setdefault(c, len(names))
+
+    code: list[tuple[Any, ...]] = []
+    for ins in prog:
+        kind = ins[0]
+        if kind == "op":
+            outs = None if ins[4] is None else tuple(name(c) for c in ins[4])
+            code.append(("op", ins[1], ins[2], ins[3], outs, ins[5]))
+        elif kind == "tag":
+            code.append(("tag", name(ins[1]), ins[2], ins[3]))
+        else:  # alloc, free: the name, and the bytes of an alloc
+            code.append((kind, name(ins[1]), *ins[2:]))
+    made = sorted((c[1], k) for c, k in names.items() if c[0] == "i")
+    return tuple(code), list(names), [k for _, k in made]
+
+
+def _fake_like(mode: Any, v: Tensor, spec: tuple[Any, ...]) -> Tensor:
+    """A fake tensor of ``v``'s layout (``spec``: its shape, stride, dtype and device) and constant (a
+    stand-in's state: its allocation is replayed)."""
     constant = getattr(v, "constant", None)
     if constant is not None:
         with torch._C._DisableTorchDispatch():
             constant = constant.clone()
-    return fake_tensor(mode, tuple(v.shape), tuple(v.stride()), v.dtype, v.device, constant)
+    shape, stride, dtype, device = spec
+    return fake_tensor(mode, shape, stride, dtype, device, constant)
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from __future__ import annotations
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import Tensor
@@ -145,6 +145,29 @@ class Tracker:
         storages = storages_of(local_tensor(t))
         return self._handles.get(storages[-1]._cdata) if storages else None
 
+    def handle_and_layout(self, t: Tensor) -> tuple[int | None, tuple[Any, ...]]:
+        """:meth:`handle_of` and ``t``'s device, shape, stride, storage offset, dtype, storage bytes and
+        ``requires_grad``, its storage read once (what the optimizer's replay asks of every entry of a
+        stand-in parameter's lists: some 120 a replayed layer)."""
+        if _plain_fake(t):
+            s = t.untyped_storage()
+            plain: tuple[Any, ...] = (
+                t.fake_device,
+                t.shape,
+                t.stride(),
+                t.storage_offset(),
+                t.dtype,
+                s.nbytes(),
+                t.requires_grad,
+            )
+            return self._handles.get(s._cdata), plain
+        storages = storages_of(local_tensor(t))
+        offset = t.storage_offset() if t.layout is torch.strided else 0
+        stride = t.stride() if t.layout is torch.strided else ()
+        nbytes = tuple(s.nbytes() for s in storages)
+        layout = (type(t), t.device, t.layout, t.shape, stride, offset, t.dtype, nbytes, t.requires_grad)
+        return (self._handles.get(storages[-1]._cdata) if storages else None), layout
+
     def handles_of(self, t: Tensor) -> list[int]:
         """The handles of all of ``t``'s storages that are tracked (a sparse tensor has two or three)."""
         if _plain_fake(t):
@@ -198,10 +221,15 @@ class Tracker:
             self.events.append(Resize(handle, nbytes))
 
     def tag(self, tensors: list[Tensor], role: Role) -> None:
-        module = self.module
+        module, events, handles = self.module, self.events, self._handles
         for t in tensors:
+            if _plain_fake(t):  # every gradient and state tensor of every step: no list of one
+                handle = handles.get(t.untyped_storage()._cdata)
+                if handle is not None:
+                    events.append(Tag(handle, role, module))
+                continue
             for handle in self.handles_of(t):
-                self.events.append(Tag(handle, role, module))
+                events.append(Tag(handle, role, module))
 
     # --- scopes and phases -------------------------------------------------------------------------
     @property
@@ -405,7 +433,7 @@ class Tracker:
 _LAYOUT: Callable[[Tensor], torch.layout] = torch._C.TensorBase.layout.__get__  # type: ignore[attr-defined]
 
 
-def _plain_fake(t: Tensor) -> bool:
+def _plain_fake(t: Tensor) -> TypeGuard[FakeTensor]:
     """A strided fake tensor of no subclass and no DTensor: one storage, its own (the common case, asked
     of every tensor the stand-ins meet and of every gradient and state tensor a step tags)."""
     return (

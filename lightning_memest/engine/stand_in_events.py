@@ -1,0 +1,170 @@
+"""What a stand-in call of ``engine.block_replay`` appends to the event stream, and the tensors it
+makes: a template's program (its recorded events, renamed: ``engine.blocks.Canon``) emitted with the
+handles and module paths of one call, compiled once per program so that each name is resolved once a
+call (a replayed layer emits some 500 events a step).
+
+Example:
+    >>> _compile((("alloc", ("i", 0), 64), ("free", ("i", 0))))
+    ((('alloc', 0, 64), ('free', 0)), [('i', 0)], [])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from lightning_memest.engine.blocks import Canon, Layout
+from lightning_memest.engine.events import Alloc, Free, ModuleExit, OpEvent, Phase, Tag
+from lightning_memest.engine.fake import fake_tensor
+from lightning_memest.engine.replay_tracker import ReplayMismatch, ReplayTracker
+from lightning_memest.engine.tracking_mode import TrackingFakeTensorMode
+
+__all__ = ["Call", "CallEvents"]
+
+
+@dataclass
+class Call:
+    """One stand-in's call: the handles its canonical names stand for, and the real storages."""
+
+    block: str
+    inputs: tuple[int | None, ...]
+    params: tuple[int | None, ...]
+    buffers: tuple[int | None, ...]
+    param_objects: tuple[nn.Parameter, ...]
+    param_devices: tuple[torch.device, ...]
+    internal: dict[int, int] = field(default_factory=dict)
+    real: dict[int, int] = field(default_factory=dict)  # handle -> storage key, for bound storages
+    keep: list[Tensor] = field(default_factory=list)
+    grad_output: int | None = None
+    grads_before: tuple[int | None, ...] = ()  # the parameters' gradients as the backward began
+    device: torch.device | None = None  # the input's: where the stand-in makes its tensors
+    paths: dict[str, str] = field(default_factory=dict)  # a template's module path -> this call's
+
+
+class CallEvents:
+    """Emits templates' programs for stand-in calls into one tracker's stream."""
+
+    def __init__(self, tracker: ReplayTracker) -> None:
+        self.tracker = tracker
+        self._compiled: dict[int, tuple[Any, ...]] = {}  # by id(program): the program and _compile's
+
+    def resolve(self, call: Call, c: Canon) -> int:
+        kind, n = c
+        if kind == "i":  # named by its op's event before its allocation: given its handle then
+            h = call.internal.get(n)
+            if h is None:
+                h = call.internal[n] = self.tracker.new_handle()
+            return h
+        if kind == "in":
+            h = call.inputs[n]
+        elif kind == "p":
+            h = call.params[n]
+        elif kind == "b":
+            h = call.buffers[n]
+        elif kind == "go":
+            h = call.grad_output
+        elif kind == "pg":
+            h = call.grads_before[n] if n < len(call.grads_before) else None
+        else:
+            return n
+        if h is None:
+            raise ReplayMismatch(f"block {call.block} has no storage for {c}")
+        return h
+
+    def path(self, call: Call, rel: str) -> str:
+        path = call.paths.get(rel)
+        if path is None:  # once per module of the call: its events share the string
+            path = call.block if rel == "@" else call.block + rel[1:] if rel.startswith("@.") else rel
+            call.paths[rel] = path
+        return path
+
+    def emit(self, program: tuple[Any, ...], call: Call, phase: Phase) -> None:
+        tracker = self.tracker
+        events = tracker.events
+        step = tracker.step
+        compiled = self._compiled.get(id(program))
+        if compiled is None or compiled[0] is not program:
+            compiled = self._compiled[id(program)] = (program, *_compile(program))
+        _, code, canons, rels = compiled
+        # Each name and path resolved once a call, in the order of first use (the handles the
+        # instructions' own order would give), then read by index (a replayed layer emits some 500).
+        hs = [self.resolve(call, c) for c in canons]
+        ps = [self.path(call, r) for r in rels]
+        backward = phase is Phase.BACKWARD
+        for ins in code:
+            kind = ins[0]
+            if kind == "op":
+                tracker.op_index += 1
+                outs = None if ins[4] is None else tuple([-1 if k < 0 else hs[k] for k in ins[4]])
+                events.append(
+                    OpEvent(tracker.op_index, step, phase, ps[ins[2]], ins[1], ins[3], outs, ins[5])
+                )
+            elif kind == "alloc":
+                events.append(Alloc(hs[ins[1]], ins[2]))
+            elif kind == "free":
+                h = hs[ins[1]]
+                key = call.real.pop(h, None)
+                if key is not None:
+                    tracker.forget(key, h)
+                tracker.linked.discard(h)
+                events.append(Free(h))
+            elif kind == "tag":
+                events.append(Tag(hs[ins[1]], ins[2], ps[ins[3]]))
+            elif kind == "enter":
+                tracker.enter_module(ps[ins[1]], backward=backward)
+            else:  # exit
+                p = ps[ins[1]]
+                stack = tracker._backward_stack if backward else tracker._forward_stack
+                for i in range(len(stack) - 1, -1, -1):
+                    if stack[i] == p:
+                        del stack[i]
+                        break
+                events.append(ModuleExit(p, ins[2], tuple([hs[k] for k in ins[3]])))
+        tracker._step_ran_op = True
+
+    def make(self, lay: Layout, device: torch.device) -> Tensor:
+        shape, stride, offset, dtype, nbytes, _ = lay
+        mode = self.tracker.mode
+        assert isinstance(mode, TrackingFakeTensorMode)
+        t = fake_tensor(mode, shape, stride, dtype, device)  # the template's allocation stands for it
+        if offset or t.untyped_storage().nbytes() != nbytes:
+            raise ReplayMismatch("a stand-in cannot make a tensor of this layout")
+        return t
+
+    def bind(self, call: Call, t: Tensor, canon: Canon) -> None:
+        h = self.resolve(call, canon)
+        call.real[h] = self.tracker.bind(t, h)
+
+
+def _compile(program: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Canon], list[str]]:
+    """A template's program with its names (canonical handles) and module paths replaced by their
+    indexes in the two lists returned, each listed at its first use."""
+    canons: dict[Canon, int] = {}
+    rels: dict[str, int] = {}
+
+    def name(c: Canon) -> int:
+        return canons.setdefault(c, len(canons))
+
+    def path(r: str) -> int:
+        return rels.setdefault(r, len(rels))
+
+    code: list[tuple[Any, ...]] = []
+    for ins in program:
+        kind = ins[0]
+        if kind == "op":
+            outs = None if ins[4] is None else tuple(-1 if c is None else name(c) for c in ins[4])
+            code.append(("op", ins[1], path(ins[2]), ins[3], outs, ins[5]))
+        elif kind == "alloc":
+            code.append(("alloc", name(ins[1]), ins[2]))
+        elif kind == "free":
+            code.append(("free", name(ins[1])))
+        elif kind == "tag":
+            code.append(("tag", name(ins[1]), ins[2], path(ins[3])))
+        elif kind == "enter":
+            code.append(("enter", path(ins[1])))
+        else:  # exit
+            code.append(("exit", path(ins[1]), ins[2], tuple(name(c) for c in ins[3])))
+    return tuple(code), list(canons), list(rels)
