@@ -4,15 +4,21 @@ meta floor, on decoders built on the meta device, and whether the figures agree 
 For each case: the simulation's seconds with replay and without (``StepEstimate.estimate_seconds``,
 median of ``--repeats``), the meta floor (two plain steps of the same model on meta tensors, no fake
 mode: ``benchmarks/benchmark.py``'s), their ratios, the blocks replayed per step, and whether every
-figure of the two estimates is equal. Then the cost per layer: the slope of the seconds over the
-depths given, with and without replay. Each timed run starts from a full collection (``gc.collect()``),
+figure of the two estimates is equal. Then the cost per layer, with and without replay: the slope of
+the seconds between the shallowest and the deepest depth given, measured ``--slope-reps`` times, each
+time the four runs back to back (replay at both depths, or at ``--replay-depth`` for the deeper one, then
+the full simulation at both), and the median of the per-repetition ratios reported with its quartiles:
+on a shared machine whose speed drifts, a ratio of runs taken together is the stable figure, a ratio
+of medians taken minutes apart is not. Each timed run starts from a full collection (``gc.collect()``),
 so that no run pays for the garbage of the one before: the simulations' events are tens of thousands of
 objects, and where a full collection of the heap falls (some 0.3 s with torch loaded) otherwise depends
 on the runs before; a run still pays for the collections its own objects cause.
 
     python benchmarks/replay.py                    # a 32-layer 7B decoder, and the per-layer slope
     python benchmarks/replay.py --quick            # a small decoder at depths 8 and 32
+    python benchmarks/replay.py --slope-reps 15 --replay-depth 64   # the per-layer cost, 15 times
     python benchmarks/replay.py --layers 32 80 --d-model 8192 --seq 1024
+    python benchmarks/replay.py --llama --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256 --seq 512
     python benchmarks/replay.py --llama --layers 8 126 --d-model 16384 --heads 128 --kv-heads 8 \
         --ffn 53248 --vocab 128256 --seq 128 --no-full    # the 405B shape (transformers' Llama)
 
@@ -125,6 +131,47 @@ def run_case(
     return row
 
 
+def per_layer(
+    lo: int,
+    hi: int,
+    replay_hi: int,
+    d_model: int,
+    seq: int,
+    vocab: int,
+    reps: int,
+    llama: dict[str, int] | None,
+) -> dict[str, Any]:
+    """The seconds a replayed layer and a fully simulated layer add, measured ``reps`` times with the
+    four runs of each repetition back to back; medians, and the per-repetition ratios' median and
+    quartiles."""
+    models = {n: build(n, d_model, seq, vocab, llama) for n in {lo, hi, replay_hi}}
+    loss = hf_loss if llama is not None else lm_loss
+
+    def seconds(n: int, replay: bool) -> float:
+        gc.collect()
+        model, batch = models[n]
+        est = estimate_step(model, batch, loss_fn=loss, optimizer=torch.optim.AdamW, replay_blocks=replay)
+        return float(est.estimate_seconds)
+
+    replayed, full = [], []
+    for _ in range(reps):
+        r_lo, r_hi = seconds(lo, True), seconds(replay_hi, True)
+        f_lo, f_hi = seconds(lo, False), seconds(hi, False)
+        replayed.append((r_hi - r_lo) / (replay_hi - lo))
+        full.append((f_hi - f_lo) / (hi - lo))
+    ratios = sorted(r / f for r, f in zip(replayed, full, strict=True))
+    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    return {
+        "replay_s": statistics.median(replayed),
+        "full_s": statistics.median(full),
+        "ratio": statistics.median(ratios),
+        "ratio_q1": quartiles[0],
+        "ratio_q3": quartiles[2],
+        "reps": reps,
+        "depths": [lo, hi, replay_hi],
+    }
+
+
 def _num(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
@@ -149,6 +196,15 @@ def main() -> None:
     )
     parser.add_argument("--ffn", type=int, default=None, help="MLP width (--llama; default 4 x d_model)")
     parser.add_argument("--no-full", action="store_true", help="skip the full simulation")
+    parser.add_argument(
+        "--slope-reps", type=int, default=5, help="repetitions of the per-layer cost (0: none; default 5)"
+    )
+    parser.add_argument(
+        "--replay-depth",
+        type=int,
+        default=None,
+        help="the deeper depth of the replayed slope (default: the deepest)",
+    )
     args = parser.parse_args()
     layers = args.layers or [8, 32]
     d_model, seq = (512, 512) if args.quick else (args.d_model, args.seq)
@@ -158,13 +214,15 @@ def main() -> None:
         llama = {"heads": heads, "kv_heads": args.kv_heads or heads, "ffn": args.ffn or 4 * d_model}
     estimate_step(torch.nn.Linear(4, 4), torch.randn(2, 4), replay_blocks=True)  # imports, first dispatches
     rows = [run_case(n, d_model, seq, args.vocab, args.repeats, llama, not args.no_full) for n in layers]
-    slope: dict[str, float] = {}
-    if len(rows) >= 2:
-        lo, hi = rows[0], rows[-1]
-        depth = hi["layers"] - lo["layers"]
-        for key in ("replay_s", "full_s", "floor_s"):
-            if hi[key] is not None:
-                slope[key] = (hi[key] - lo[key]) / depth
+    slope: dict[str, Any] = {}
+    if len(layers) >= 2 and args.slope_reps > 0:
+        lo, hi = min(layers), max(layers)
+        if args.no_full:  # no full simulation to compare with: the replayed slope over the table's runs
+            depth = rows[-1]["layers"] - rows[0]["layers"]
+            slope = {"replay_s": (rows[-1]["replay_s"] - rows[0]["replay_s"]) / depth}
+        else:
+            replay_hi = args.replay_depth or hi
+            slope = per_layer(lo, hi, replay_hi, d_model, seq, args.vocab, args.slope_reps, llama)
     if args.json:
         print(json.dumps({"cases": rows, "per_layer_s": slope}, default=str))
         return
@@ -181,12 +239,14 @@ def main() -> None:
         )
     if slope:
         full = slope.get("full_s")
-        vs = "" if full is None else f" (replayed layer / full layer: {slope['replay_s'] / full:.2f})"
-        full_ms = _num(None if full is None else full * 1e3, ".1f")
-        print(
-            f"\nper layer: replay {slope['replay_s'] * 1e3:.1f} ms, full {full_ms} ms, "
-            f"floor {slope['floor_s'] * 1e3:.1f} ms{vs}"
-        )
+        line = f"\nper layer: replay {slope['replay_s'] * 1e3:.1f} ms"
+        if full is not None:
+            line += (
+                f", full {full * 1e3:.1f} ms (medians of {slope['reps']}); replayed layer / full layer: "
+                f"{slope['ratio'] * 100:.1f} % (quartiles {slope['ratio_q1'] * 100:.1f}-"
+                f"{slope['ratio_q3'] * 100:.1f} %, each repetition's four runs back to back)"
+            )
+        print(line)
 
 
 if __name__ == "__main__":
