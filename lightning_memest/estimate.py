@@ -76,7 +76,7 @@ def estimate_step(
             which.
         replay_blocks: simulate a few instances of each run of six or more alike blocks (a decoder's
             layers, a ViT's encoder blocks) and replay their events for the others, wherever the
-            checks of ``engine.block_replay`` find that they repeat (said in
+            checks of ``engine.replay.block_replay`` find that they repeat (said in
             ``StepEstimate.replayed_blocks``): the same figures to the byte, in a time that hardly
             grows with depth. Where a check fails after a block was replayed, the step is simulated
             again without replay (its code runs once more). Training only, without a ``strategy``;

@@ -1,5 +1,5 @@
-"""Replay of repeated blocks (``engine.block_replay``) and of the optimizer's work on their parameters
-(``engine.optimizer_replay``): the replayed estimate equals the full simulation's to the byte -- peaks
+"""Replay of repeated blocks (``engine.replay.block_replay``) and of the optimizer's work on their parameters
+(``engine.replay.optimizer_replay``): the replayed estimate equals the full simulation's to the byte -- peaks
 and breakdowns, per-module figures, FLOPs, the timeline, phase marks, the CUDA allocator's figures --
 for every kind of model and optimizer it applies to; where the blocks do not repeat, it is off, and
 said so; an optimizer it does not know runs as it always did."""
@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 import lightning_memest.estimate as estimate_module
 from lightning_memest import estimate_step
-from lightning_memest.engine.blocks import repeated_blocks
+from lightning_memest.engine.replay.blocks import repeated_blocks
 from lightning_memest.report import StepEstimate
 from tests.models import TinyGPT, lm_batch, lm_loss
 
@@ -208,7 +208,7 @@ def test_a_mismatch_after_replay_simulates_again(monkeypatch: pytest.MonkeyPatch
 def test_a_replayed_run_that_fails_otherwise_simulates_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stand-in that breaks (here: made to raise, as an untested device could) costs a second run,
     never the estimate: the step is simulated again without replay."""
-    from lightning_memest.engine.block_replay import BlockReplay
+    from lightning_memest.engine.replay.block_replay import BlockReplay
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("a stand-in that cannot be made here")

@@ -20,14 +20,14 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from lightning_memest import EstimationError, estimate_step
-from lightning_memest.engine import data_dependent
 from lightning_memest.engine.events import DataDependent
-from lightning_memest.engine.nonzero_bounds import nonzero_bound
 from lightning_memest.engine.real_path import real_path
 from lightning_memest.engine.step import StepConfig
 from lightning_memest.engine.tracker import Tracker, real_value
 from lightning_memest.engine.tracking_mode import TrackingFakeTensorMode
-from lightning_memest.engine.value_sets import values_in
+from lightning_memest.engine.values import data_dependent
+from lightning_memest.engine.values.nonzero_bounds import nonzero_bound
+from lightning_memest.engine.values.value_sets import values_in
 from lightning_memest.measure import measure_step
 
 aten = torch.ops.aten
@@ -385,7 +385,7 @@ def test_a_data_dependent_op_without_policy_names_op_and_module() -> None:
     assert type(model[0].weight) is nn.Parameter and not hasattr(model[0].weight, "fake_mode")
 
 
-# --- bounds on how many elements are nonzero (engine.nonzero_bounds) ---------------------------------------
+# --- bounds on how many elements are nonzero (engine.values.nonzero_bounds) --------------------------------
 def _set7() -> Tensor:
     """A zero mask with 7 positions set at unknown places (the sampler's pattern)."""
     mask = torch.zeros(100, dtype=torch.uint8)

@@ -3,10 +3,10 @@ estimated on fake tensors against the CPU allocator's events of the real call (`
 the reads that decide when generation stops listed in the report.
 
 A generation loop reads ``unfinished_sequences.max() == 0`` after every token. The simulation knows
-that value once the maximum length is reached (``engine.value_sets``: ``full(True) | x``, ``~``,
-``x & False``, ``max``, ``== 0``), and assumes "not finished" before (``engine.assumed_values``: an
+that value once the maximum length is reached (``engine.values.value_sets``: ``full(True) | x``, ``~``,
+``x & False``, ``max``, ``== 0``), and assumes "not finished" before (``engine.values.assumed_values``: an
 unknown token is no end-of-sequence token): the estimate is of the longest generation. A loop that
-waits on a value the simulation cannot know fails with a clear error (``engine.read_guard``).
+waits on a value the simulation cannot know fails with a clear error (``engine.values.read_guard``).
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from transformers import (
 from lightning_memest import EstimationError, estimate_step
 from lightning_memest.accounting import account
 from lightning_memest.allocator_events import CpuMemoryProfile, quiet_gc
-from lightning_memest.engine import read_guard
 from lightning_memest.engine.events import Phase
 from lightning_memest.engine.simulate import simulate
 from lightning_memest.engine.step import StepConfig, StepListener
+from lightning_memest.engine.values import read_guard
 from lightning_memest.report import StepEstimate
 
 EOS = 7

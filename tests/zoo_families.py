@@ -1,7 +1,7 @@
 """Zoo cases of families the first zoo did not have (issue 25), written as each library's users write them:
 a sparse mixture of experts from transformers' Mixtral config (its grouped experts take
 ``aten._grouped_mm``, whose fake kernel refuses float32 while the CPU kernel runs it: run for real), a
-hand-written top-2 router (its experts' shares of the tokens: ``engine.nonzero_bounds``), and
+hand-written top-2 router (its experts' shares of the tokens: ``engine.values.nonzero_bounds``), and
 a graph attention network from torch_geometric over mini-batches of graphs (its batch object holds the
 tensors; global pooling sizes its output by the graph ids' largest value, which the batch holds), and
 a recommender with sparse embeddings and a sparse optimizer (its gradients are sparse tensors, whose

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from lightning_memest.engine.value_sets import ValueLookup, int_values
+from lightning_memest.engine.values.value_sets import ValueLookup, int_values
 
 __all__ = ["pointer_kernels"]
 

@@ -48,7 +48,7 @@ most :data:`VALUE_LIMIT` elements -- computed on small real CPU tensors beside t
 A scalar read (``.item()``, ``bool(t)``, ``torch.equal``) of a known value returns it, and an op whose
 output size depends on known values (``nonzero``, boolean indexing) gets its real size; neither is a
 data-dependent assumption any more. Reads of anything else still go to the engine's policy
-(``engine.data_dependent``). Floating-point tensors carry values only where they are made from known
+(``engine.values.data_dependent``). Floating-point tensors carry values only where they are made from known
 values alone (a padding mask turned into a float mask): activations and weights stay fake, and no
 memory of the user's size is allocated.
 

@@ -22,8 +22,6 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_memest.batches import iter_tensors
 from lightning_memest.engine.autograd_threads import settle_device_threads
-from lightning_memest.engine.block_replay import BlockReplay, ReplayMismatch, ReplayTracker, block_replay
-from lightning_memest.engine.blocks import repeated_blocks
 from lightning_memest.engine.collector import full_collections_paused
 from lightning_memest.engine.cuda_autocast import cuda_autocast_lists
 from lightning_memest.engine.cuda_paths import cuda_code_paths
@@ -42,8 +40,15 @@ from lightning_memest.engine.fake import (
     swappable_fakes,
 )
 from lightning_memest.engine.hooks import module_scopes, saved_tensor_tags, storage_resizes
-from lightning_memest.engine.optimizer_replay import optimizer_replay
 from lightning_memest.engine.real_path import real_path
+from lightning_memest.engine.replay.block_replay import (
+    BlockReplay,
+    ReplayMismatch,
+    ReplayTracker,
+    block_replay,
+)
+from lightning_memest.engine.replay.blocks import repeated_blocks
+from lightning_memest.engine.replay.optimizer_replay import optimizer_replay
 from lightning_memest.engine.step import (
     Precision,
     RunnerFactory,
@@ -106,10 +111,10 @@ class Simulation:
     """Ops whose fake kernel failed, run for real on stand-ins (``engine.real_ops``), with their calls."""
     replayed_blocks: tuple[tuple[str, int], ...] = ()
     """Per group of repeated blocks (its container's path), how many blocks of a step were replayed
-    rather than run (``engine.block_replay``); empty where none were."""
+    rather than run (``engine.replay.block_replay``); empty where none were."""
     replayed_updates: int = 0
     """How many parameters' iterations of torch.optim's loops (state creation, update) were replayed
-    rather than run, over all steps (``engine.optimizer_replay``)."""
+    rather than run, over all steps (``engine.replay.optimizer_replay``)."""
     replay_note: str | None = None
     """Where replay was asked for and alike blocks were found but not replayed, why (the first check
     that failed, per container), or that the step was simulated again without replay and why; ``None``
@@ -159,7 +164,7 @@ def simulate(
     ``adapter.weight_averaging``): faked for the simulation as ``model`` is (and left as they were),
     in their own dtype, resident as ``Role.OTHER`` in place of their real tensors among ``residents``,
     the values of their small integer tensors known (a counter decides the first update).
-    ``replay_blocks`` replays repeated blocks where they repeat (``engine.block_replay``); where a
+    ``replay_blocks`` replays repeated blocks where they repeat (``engine.replay.block_replay``); where a
     check fails after a block was replayed it raises ``ReplayMismatch``: simulate again without.
 
     Example:

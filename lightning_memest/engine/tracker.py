@@ -7,7 +7,7 @@ the same moment the real allocator would free it. Module scopes (forward and bac
 phases, what autograd saves for backward, which storages become gradients and optimizer state are
 recorded in the same stream.
 
-An op whose fake kernel needs values it does not have gets the answer of ``engine.data_dependent``'s
+An op whose fake kernel needs values it does not have gets the answer of ``engine.values.data_dependent``'s
 policy, recorded as a ``DataDependent`` event; the policy reads the values the simulation knows
 (``engine.real_path``: the batch's lengths and masks) through :func:`real_value`.
 """
@@ -30,7 +30,6 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._pytree import tree_leaves
 
-from lightning_memest.engine import data_dependent
 from lightning_memest.engine.events import (
     NO_OP,
     Alloc,
@@ -49,9 +48,10 @@ from lightning_memest.engine.events import (
     TensorMeta,
 )
 from lightning_memest.engine.fake import local_tensor
-from lightning_memest.engine.read_guard import ReadGuard
 from lightning_memest.engine.real_ops import NotRunnable, run_for_real
 from lightning_memest.engine.real_path import known_value
+from lightning_memest.engine.values import data_dependent
+from lightning_memest.engine.values.read_guard import ReadGuard
 from lightning_memest.errors import EstimationError
 
 __all__ = [

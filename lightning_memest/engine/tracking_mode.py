@@ -4,7 +4,7 @@ Besides running ops on fake tensors it decides, per op, what reaches the tracker
 another op are not the step's; under ``inference_mode`` a composite op is decomposed as a real run
 would; an optimizer's in-place update of its own fake tensors skips the fake kernel (it allocates
 nothing); a sparse tensor's rule builds outputs from its parts (``engine.sparse``); and the values the
-simulation knows are carried from op to op (``engine.value_sets``, ``engine.real_path``).
+simulation knows are carried from op to op (``engine.values.value_sets``, ``engine.real_path``).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import torch._subclasses.fake_tensor as _fake_tensor
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from lightning_memest.engine import data_dependent
 from lightning_memest.engine.events import Phase
 from lightning_memest.engine.pointer_kernels import pointer_kernels
 from lightning_memest.engine.sparse import carry_indices, sparse_rule
 from lightning_memest.engine.tracker import Tracker, real_value
-from lightning_memest.engine.value_sets import carry_value_sets, remember_written_sets
+from lightning_memest.engine.values import data_dependent
+from lightning_memest.engine.values.value_sets import carry_value_sets, remember_written_sets
 
 __all__ = ["TrackingFakeTensorMode"]
 

@@ -124,7 +124,7 @@ class DataDependentRead:
     module: str
     assumed: str
     """What the simulation answered: the real value where ``exact``, otherwise what it used instead of
-    it (see ``engine.data_dependent``)."""
+    it (see ``engine.values.data_dependent``)."""
     count: int
     exact: bool = False
 
@@ -238,7 +238,7 @@ class StepEstimate:
     replayed_blocks: dict[str, int] | None = None
     """Per group of repeated blocks (its container's path), how many blocks of each step were replayed
     from the events of alike blocks rather than run (``estimate_step(replay_blocks=True)``,
-    ``engine.block_replay``); ``None`` where none were (replay off, or a check failed)."""
+    ``engine.replay.block_replay``); ``None`` where none were (replay off, or a check failed)."""
     replay_note: str | None = None
     """Why alike blocks were not replayed (the first check that failed, per container), or that the
     step was simulated again without replay and why: where a replayed estimate would have been faster;

@@ -1,5 +1,5 @@
-"""What a stand-in replays (``engine.block_replay``): a template built from the signatures of
-recorded blocks (``engine.blocks``), checked for what a stand-in can make -- its outputs and the
+"""What a stand-in replays (``engine.replay.block_replay``): a template built from the signatures of
+recorded blocks (``engine.replay.blocks``), checked for what a stand-in can make -- its outputs and the
 gradients it hands back, dense storages the block allocated -- and for what it must hold.
 
 Example:
@@ -16,8 +16,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_memest.engine.blocks import BlockRecord, Canon, Layout
 from lightning_memest.engine.events import Role
+from lightning_memest.engine.replay.blocks import BlockRecord, Canon, Layout
 
 __all__ = ["Template", "backward_into", "dense", "forward_template"]
 

@@ -1,12 +1,12 @@
 """Replay of the optimizer's per-parameter work for the parameters of stand-in blocks (blocks
-``3 .. N-3`` of a group of ``engine.blocks``): their updates are not run, their events are block 1's.
+``3 .. N-3`` of a group of ``engine.replay.blocks``): their updates are not run, their events are block 1's.
 
 torch.optim's for-loop optimizers work parameter by parameter in one Python loop, and what one
 iteration does depends only on its parameter's tensors (parameter, gradient, state: their layouts, the
 step counter's value) and on the hyperparameters. So for the loops of torch's own code only -- the
 state's lazy creation in ``Adam._init_group`` (Adam and AdamW) and the updates of
 ``_single_tensor_adam`` and ``_single_tensor_sgd`` -- the loop is handed its lists through a view
-(``engine.optimizer_loops.Slots``) that marks where each iteration's events begin. Where the loop
+(``engine.replay.optimizer_loops.Slots``) that marks where each iteration's events begin. Where the loop
 reaches the first stand-in's parameters, the iterations of block 1's parameters (checked equal to
 block 2's) are appended once per stand-in parameter with its own handles and fresh ones for what the iteration
 allocates; the loop then goes on with block ``N-2``'s, whose events must equal block 1's again, or
@@ -46,11 +46,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_memest.engine.block_templates import dense
-from lightning_memest.engine.blocks import BlockGroup, Layout, layout_of
 from lightning_memest.engine.events import Alloc, Free, OpEvent, Phase, Tag
 from lightning_memest.engine.fake import fake_tensor
-from lightning_memest.engine.optimizer_loops import (
+from lightning_memest.engine.replay.block_templates import dense
+from lightning_memest.engine.replay.blocks import BlockGroup, Layout, layout_of
+from lightning_memest.engine.replay.optimizer_loops import (
     OFF_FLAGS,
     Canon,
     Iteration,
@@ -62,7 +62,7 @@ from lightning_memest.engine.optimizer_loops import (
     constants,
     equal,
 )
-from lightning_memest.engine.replay_tracker import ReplayMismatch, ReplayTracker
+from lightning_memest.engine.replay.replay_tracker import ReplayMismatch, ReplayTracker
 from lightning_memest.engine.tracker import Tracker
 
 __all__ = ["OptimizerReplay", "optimizer_replay"]

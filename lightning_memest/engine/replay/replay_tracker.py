@@ -1,4 +1,4 @@
-"""The tracker of a simulation with replayed blocks (``engine.block_replay``): stand-ins name, bind and
+"""The tracker of a simulation with replayed blocks (``engine.replay.block_replay``): stand-ins name, bind and
 forget storages through it, and the storages a stand-in copied from a template's die when the
 template's do.
 

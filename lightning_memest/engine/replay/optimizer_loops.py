@@ -1,4 +1,4 @@
-"""The loops of torch.optim's for-loop optimizers as ``engine.optimizer_replay`` sees them: each
+"""The loops of torch.optim's for-loop optimizers as ``engine.replay.optimizer_replay`` sees them: each
 iteration's events (one parameter's work) renamed into a program that can be compared and replayed,
 and the lists the loop is handed, which mark where each iteration begins.
 
@@ -19,7 +19,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_memest.engine.events import Alloc, Event, Free, OpEvent, Phase, Tag
-from lightning_memest.engine.replay_tracker import ReplayMismatch
+from lightning_memest.engine.replay.replay_tracker import ReplayMismatch
 from lightning_memest.engine.tracker import Tracker
 
 __all__ = [

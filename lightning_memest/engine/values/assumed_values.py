@@ -7,18 +7,18 @@ Where the read is of a *comparison* of unknown values with a given one, the gene
 the one that keeps code going: a generation loop's ``this_peer_finished = unfinished.max() == 0`` and
 ``while unfinished.any()`` both read "not finished", so generation runs to its maximum length (the
 largest KV cache: memory is not under-estimated), and ``while not (tokens == eos).all()`` too. The
-neutral answer (``False``, ``engine.data_dependent``) gets the first right and stops the second after
+neutral answer (``False``, ``engine.values.data_dependent``) gets the first right and stops the second after
 one token. Reads with no comparison of unknowns behind them keep the neutral answer.
 
-The assumption is kept as a fact of the tensor (``engine.tensor_facts``): the set of values it holds
-*in the assumed case* (a sorted 1-d CPU tensor, as ``engine.value_sets``' sets). Its sources are the
+The assumption is kept as a fact of the tensor (``engine.values.tensor_facts``): the set of values it holds
+*in the assumed case* (a sorted 1-d CPU tensor, as ``engine.values.value_sets``' sets). Its sources are the
 comparisons with an operand of unknown value (:func:`source_assumption`): ``==`` and ``isin`` give
 ``{False}``, ``!=`` and ``isin(..., invert=True)`` ``{True}`` (not of a tensor with itself: ``x == x``
-is a NaN check). ``engine.value_sets`` carries it op to
+is a NaN check). ``engine.values.value_sets`` carries it op to
 op with its own rules, reading an operand's assumed set where it has one and its exact set otherwise
 (``~``, ``&``/``|`` with a known operand, ``any``/``all``/``max``, ``== 0`` of an assumed value...).
 A read answers from the exact set first (then nothing is assumed), from the assumed set where it holds
-one value, and neutrally otherwise (``engine.data_dependent``). Sizes never use the assumption: a mask
+one value, and neutrally otherwise (``engine.values.data_dependent``). Sizes never use the assumption: a mask
 of an assumed ``False`` still selects as many elements as the exact bounds allow.
 
 Example:
@@ -39,13 +39,13 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from lightning_memest.engine.tensor_facts import fact_of, file_fact
+from lightning_memest.engine.values.tensor_facts import fact_of, file_fact
 
 __all__ = ["assumed_set", "file_assumed", "has_assumption", "is_source", "source_assumption"]
 
 aten = torch.ops.aten
 
-#: The fact (``engine.tensor_facts``) holding the values a tensor holds in the assumed case.
+#: The fact (``engine.values.tensor_facts``) holding the values a tensor holds in the assumed case.
 _ASSUMED = "_memest_assumed_values"
 
 #: Comparisons whose result, for an unknown operand, is assumed: ``True`` for ``!=``, else ``False``.

@@ -19,10 +19,10 @@ Plain ``FakeTensorMode`` raises on each (PyTorch tags such ops ``dynamic_output_
   under-estimated there. Where the inputs bound nothing (``bincount``'s largest value,
   ``repeat_interleave``'s counts) the assumption is said in the report;
 * **one answer for every possible value** for a scalar read (``.item()``, ``bool(t)``, ``int(t)``) of a
-  tensor whose value set (``engine.value_sets``) gives only one: ``x & False``, ``~True``, ``max()`` of
+  tensor whose value set (``engine.values.value_sets``) gives only one: ``x & False``, ``~True``, ``max()`` of
   zeros, ``== 0`` of them. Exact: a generation loop's "finished?" once its maximum length is reached;
 * **the assumed case** for a scalar read of a comparison of unknown values
-  (``engine.assumed_values``): an unknown value equals no given value, so ``(tokens == eos).any()``
+  (``engine.values.assumed_values``): an unknown value equals no given value, so ``(tokens == eos).any()``
   reads ``False`` and ``(tokens != eos).all()`` ``True`` -- generation runs to its maximum length (the
   largest cache) rather than stopping at a token nobody can predict;
 * **a neutral value** for any other scalar read of an unknown value (``.item()``, ``bool(t)``,
@@ -30,7 +30,7 @@ Plain ``FakeTensorMode`` raises on each (PyTorch tags such ops ``dynamic_output_
   typical checks (no inf found, no NaN, not causal), and a harmless number for logging.
 
 A loop whose exit hangs on assumed reads could run forever where the real one ends: reads repeated at
-one line of code are capped (``engine.read_guard``), and the estimate fails there with the line named.
+one line of code are capped (``engine.values.read_guard``), and the estimate fails there with the line named.
 
 Ops whose fake kernel sizes the output from the arguments alone are listed in
 :data:`FAKE_KERNEL_SUFFICES`. Any other data-dependent op raises ``EstimationError`` naming it.
@@ -59,10 +59,15 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves
 
-from lightning_memest.engine.assumed_values import assumed_set
-from lightning_memest.engine.nonzero_bounds import nonzero_bound, set_holds, set_only_zero, spread_bound
-from lightning_memest.engine.router_shares import selection_share
-from lightning_memest.engine.value_sets import ValueLookup, int_values, values_in
+from lightning_memest.engine.values.assumed_values import assumed_set
+from lightning_memest.engine.values.nonzero_bounds import (
+    nonzero_bound,
+    set_holds,
+    set_only_zero,
+    spread_bound,
+)
+from lightning_memest.engine.values.router_shares import selection_share
+from lightning_memest.engine.values.value_sets import ValueLookup, int_values, values_in
 from lightning_memest.registry import Op, OpRegistry
 
 __all__ = [
@@ -87,7 +92,7 @@ class Answer:
     """What was assumed, in a few words, for the report."""
     exact: bool = False
     """Whether the answer is the real run's (its values were known): then a loop repeating the read
-    repeats as the real one does, and no cap applies (``engine.read_guard``)."""
+    repeats as the real one does, and no cap applies (``engine.values.read_guard``)."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ class Call:
 
     def values_in(self, t: Tensor) -> Tensor | None:
         """The values ``t`` can hold (sorted, 1-d, on the CPU; a superset), where known: see
-        ``engine.value_sets``."""
+        ``engine.values.value_sets``."""
         return values_in(t, self.read)
 
     def __getitem__(self, name: str) -> Any:
@@ -269,7 +274,7 @@ def _fake_like(real: Tensor, device: torch.device) -> Tensor:
 @POLICIES.register(aten._local_scalar_dense, aten.item, aten.is_nonzero)
 def _scalar_read(call: Call) -> Answer:
     # Exact where every value the tensor can hold gives one answer (a generation loop's "finished" flag
-    # once the maximum length is reached); else what the assumed case holds (``engine.assumed_values``:
+    # once the maximum length is reached); else what the assumed case holds (``engine.values.assumed_values``:
     # an unknown value equals no given one -- "not finished", the longer run); else neutral.
     t = call.args[0]
     truth = call.op.overloadpacket is aten.is_nonzero or t.dtype == torch.bool
@@ -326,7 +331,8 @@ def _all_nonzero_numpy(call: Call) -> Answer:
 
 def _set_count(mask: Tensor, call: Call, shape: Sequence[int] | None = None) -> tuple[int, bool]:
     """How many elements of ``mask`` (broadcast to ``shape``) are set: from its real values (then
-    ``True``), else at most its carried bound (``engine.nonzero_bounds``; every element without one)."""
+    ``True``), else at most its carried bound (``engine.values.nonzero_bounds``; every element without
+    one)."""
     real = call.read(mask)
     if real is not None:
         with unset_fake_temporarily():

@@ -1,5 +1,5 @@
 """How many elements of an integer or boolean fake tensor can be nonzero: an upper bound, carried op to
-op beside the value sets (``engine.value_sets``), so that ``nonzero``, ``torch.where(cond)``,
+op beside the value sets (``engine.values.value_sets``), so that ``nonzero``, ``torch.where(cond)``,
 ``masked_select`` and ``x[mask]`` output as many elements as the code path allows -- not, as their
 inputs' sizes alone would say, every element.
 
@@ -36,13 +36,13 @@ output's size):
   else ``N``;
 * **reductions** whose result is 0 where all reduced elements are 0 (``sum``, ``any``, ``all``,
   ``prod``, ``amax``, ``max``, ``count_nonzero``, ``sort``/``topk`` values): ``B`` (and the values of a
-  boolean ``sum`` lie in ``0..B``: ``engine.value_sets``).
+  boolean ``sum`` lie in ``0..B``: ``engine.values.value_sets``).
 
 Only integer and boolean tensors carry bounds: floating point ``0 * inf`` is not 0. A bound is filed
-with its storage's write generation (``engine.tensor_facts``): a write through any alias that no rule
+with its storage's write generation (``engine.values.tensor_facts``): a write through any alias that no rule
 accounts for voids it.
 
-**A router's selections share its picks** (``engine.router_shares``): ``ids == e`` for each value
+**A router's selections share its picks** (``engine.values.router_shares``): ``ids == e`` for each value
 ``e`` of positions ``ids`` that ``topk``/``argmax``/``sort`` picked take an even share of the picks,
 adding up to every pick; selections of other unknown values keep their own bounds.
 
@@ -72,11 +72,11 @@ from torch import Tensor
 from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-from lightning_memest.engine.router_shares import file_share, is_picked, mark_picks, shared_selection
-from lightning_memest.engine.tensor_facts import fact_of, file_fact
+from lightning_memest.engine.values.router_shares import file_share, is_picked, mark_picks, shared_selection
+from lightning_memest.engine.values.tensor_facts import fact_of, file_fact
 
 if TYPE_CHECKING:
-    from lightning_memest.engine.value_sets import ValueLookup
+    from lightning_memest.engine.values.value_sets import ValueLookup
 
 __all__ = [
     "ValuesOf",
@@ -96,7 +96,7 @@ aten = torch.ops.aten
 #: The values a tensor can hold (``value_sets.values_in`` with the simulation's lookup), or ``None``.
 ValuesOf = Callable[[Tensor], Tensor | None]
 
-#: The fact name of a tensor's bound (see ``engine.tensor_facts``).
+#: The fact name of a tensor's bound (see ``engine.values.tensor_facts``).
 _BOUND = "_memest_nonzero"
 
 
@@ -119,7 +119,7 @@ def nonzero_bound(t: Tensor, read: ValueLookup, values: ValuesOf | None = None) 
 
 
 def set_holds(values: Tensor, v: Any) -> bool:
-    """Whether the sorted set ``values`` (a value set, ``engine.value_sets``) holds the number ``v``: a
+    """Whether the sorted set ``values`` (a value set, ``engine.values.value_sets``) holds the number ``v``: a
     binary search, not a pass over the set (sets of positions run to a vocabulary's size, and a
     reduction over them wakes the CPU's worker threads at every op)."""
     n = values.numel()

@@ -1,5 +1,5 @@
-"""What a stand-in call of ``engine.block_replay`` appends to the event stream, and the tensors it
-makes: a template's program (its recorded events, renamed: ``engine.blocks.Canon``) emitted with the
+"""What a stand-in call of ``engine.replay.block_replay`` appends to the event stream, and the tensors it
+makes: a template's program (its recorded events, renamed: ``engine.replay.blocks.Canon``) emitted with the
 handles and module paths of one call, compiled once per program so that each name is resolved once a
 call (a replayed layer emits some 500 events a step).
 
@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_memest.engine.blocks import Canon, Layout
 from lightning_memest.engine.events import Alloc, Free, ModuleExit, OpEvent, Phase, Tag
 from lightning_memest.engine.fake import fake_tensor
-from lightning_memest.engine.replay_tracker import ReplayMismatch, ReplayTracker
+from lightning_memest.engine.replay.blocks import Canon, Layout
+from lightning_memest.engine.replay.replay_tracker import ReplayMismatch, ReplayTracker
 from lightning_memest.engine.tracking_mode import TrackingFakeTensorMode
 
 __all__ = ["Call", "CallEvents"]

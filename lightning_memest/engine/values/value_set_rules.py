@@ -1,12 +1,12 @@
 """The per-op rules of value sets: which values an op's integer outputs can hold, given its operands'
-(``engine.value_sets`` asks and files the answers), and which interval a floating-point output's values
+(``engine.values.value_sets`` asks and files the answers), and which interval a floating-point output's values
 lie in.
 
 Picks, views and copies carry their input's set (``levels[top_k_indices]`` in torchvision's region
 proposals draws every value from ``levels``), ``unique`` its input's, ``cat``/``stack`` the union,
 ``sort``/``topk``/``max``... their input's to their values and the positions along the dimension to
-their indices, a boolean ``sum`` ``0..`` its bound (``engine.nonzero_bounds``), ``clamp`` its limits;
-elementwise ops, fills, ``where``, ``isin`` and ``any``/``all`` are ``engine.elementwise_sets``'. Code
+their indices, a boolean ``sum`` ``0..`` its bound (``engine.values.nonzero_bounds``), ``clamp`` its limits;
+elementwise ops, fills, ``where``, ``isin`` and ``any``/``all`` are ``engine.values.elementwise_sets``'. Code
 also *computes* small integers from floats: torchvision's FPN ``LevelMapper`` clamps ``floor(4 +
 log2(sqrt(area) / 224))`` to the pyramid's levels and casts it. So ``clamp`` gives a floating-point
 tensor the interval of its limits, ``floor``/``ceil``/``trunc``/``round`` and copies carry it, and a
@@ -39,12 +39,12 @@ from torch import Tensor
 from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-from lightning_memest.engine.elementwise_sets import elementwise_set
-from lightning_memest.engine.nonzero_bounds import clamp_limits, nonzero_bound
-from lightning_memest.engine.tensor_facts import fact_of, file_fact
+from lightning_memest.engine.values.elementwise_sets import elementwise_set
+from lightning_memest.engine.values.nonzero_bounds import clamp_limits, nonzero_bound
+from lightning_memest.engine.values.tensor_facts import fact_of, file_fact
 
 if TYPE_CHECKING:
-    from lightning_memest.engine.value_sets import SetLookup, ValueLookup
+    from lightning_memest.engine.values.value_sets import SetLookup, ValueLookup
 
 __all__ = ["SET_LIMIT", "carried_ranges", "carried_sets", "file_range"]
 
@@ -206,7 +206,7 @@ def carried_ranges(
 
 
 def file_range(t: Tensor, interval: tuple[float, float]) -> None:
-    """File the interval floating-point tensor ``t``'s values lie in (``engine.tensor_facts``)."""
+    """File the interval floating-point tensor ``t``'s values lie in (``engine.values.tensor_facts``)."""
     file_fact(t, _RANGE_ATTR, interval)
 
 

@@ -1,6 +1,6 @@
 """A router's choices, shared out: ``ids == e`` for each expert ``e`` of positions ``ids`` that
 ``topk``/``argmax``/``sort`` picked (the tokens a hand-written mixture of experts routes to expert
-``e``) take an even share of the picks between them (``engine.nonzero_bounds``' rule for ``==``).
+``e``) take an even share of the picks between them (``engine.values.nonzero_bounds``' rule for ``==``).
 
 Why: a simulation runs one scenario, and the values a router picks follow its activations, which
 fake tensors do not have. Taking each selection at its own largest size (every token routed to every
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 from torch._ops import OpOverload, OpOverloadPacket
 
-from lightning_memest.engine.tensor_facts import fact_of, file_fact
+from lightning_memest.engine.values.tensor_facts import fact_of, file_fact
 
 __all__ = ["file_share", "is_picked", "mark_picks", "selection_share", "shared_selection"]
 

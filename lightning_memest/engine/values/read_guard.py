@@ -2,7 +2,7 @@
 
 Why: a loop whose exit depends on values the fake run does not have -- ``while not done.item():``,
 a generation loop whose stopping criterion cannot become known -- gets the same assumed answer
-(``engine.data_dependent``) every time it asks, and may never end where the real loop ends. The
+(``engine.values.data_dependent``) every time it asks, and may never end where the real loop ends. The
 estimate runs inside the user's training (a callback, a pre-check): it must fail, never hang.
 
 Each read answered by an assumption (not one answered from real or exactly known values: a loop on those
@@ -76,7 +76,7 @@ class ReadGuard:
             raise EstimationError(
                 f"{op} read a value the fake run does not have {n} times at {site} in one step: a loop "
                 f"that waits for it would not end here. If the real loop does run that long, raise "
-                f"lightning_memest.engine.read_guard.READ_LIMIT (now {limit})",
+                f"lightning_memest.engine.values.read_guard.READ_LIMIT (now {limit})",
                 op=op,
                 module=module,
             )

@@ -1,12 +1,12 @@
 """The values the output of an elementwise op, a fill or ``any``/``all`` can hold, from its operands'
-value sets (``engine.value_sets``): the op of every combination of the operands' values, or the one
+value sets (``engine.values.value_sets``): the op of every combination of the operands' values, or the one
 value an absorbing operand forces whatever the other holds (``x & 0``, ``x | True``).
 
 Code *decides* on small integers: a generation loop's ``unfinished & ~(full(True) | isin(tokens,
 eos))`` is all 0 at the maximum length whatever the tokens are -- ``full`` gives ``{True}``, ``|`` with
 it ``{True}``, ``~`` ``{False}``, ``&`` with that ``{0}``. ``where`` of a condition that is always true
 (false) gives its first (second) operand's values, ``isin`` each possible element's answer, ``any``/
-``all`` the truths of their input's values. ``engine.value_set_rules`` asks here for an op that none of
+``all`` the truths of their input's values. ``engine.values.value_set_rules`` asks here for an op that none of
 its own rules takes.
 
 Example:
@@ -34,10 +34,10 @@ from torch import Tensor
 from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from lightning_memest.engine.nonzero_bounds import argument, known_number, set_holds, set_only_zero
+from lightning_memest.engine.values.nonzero_bounds import argument, known_number, set_holds, set_only_zero
 
 if TYPE_CHECKING:
-    from lightning_memest.engine.value_sets import SetLookup, ValueLookup
+    from lightning_memest.engine.values.value_sets import SetLookup, ValueLookup
 
 __all__ = ["elementwise_set"]
 

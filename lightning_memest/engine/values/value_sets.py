@@ -5,25 +5,25 @@ Values are known where they come from the batch or from constants (``engine.real
 that *picks* elements of a known tensor with unknown indices (``levels[top_k_indices]`` in torchvision's
 region proposals) makes a tensor of unknown values -- all drawn from the known ones. ``unique`` of it
 has at most as many values as that set, ``bincount`` and ``one_hot`` at most its largest + 1 bins,
-where without the set they would be as long as the tensor (``engine.data_dependent``'s policies read
+where without the set they would be as long as the tensor (``engine.values.data_dependent``'s policies read
 the sets through :func:`values_in`). Code also *computes* small integers from floats: torchvision's FPN
 ``LevelMapper`` clamps ``floor(4 + log2(sqrt(area) / 224))`` to the pyramid's levels, casts and
 subtracts the lowest, and its RoI pooling takes ``torch.where(levels == level)`` for each level. So
 ``clamp`` gives a floating-point tensor the interval of its limits, ``floor``/``ceil``/``trunc``/``round``
 and copies carry it, a cast to integers makes it a set, and ``+``/``-``/``*`` by a number move a set:
 where every feature map has one stride (``fasterrcnn_mobilenet_v3_large_fpn``) ``levels`` is ``{0}``,
-and ``levels == 1`` selects nothing (``engine.nonzero_bounds`` reads the sets for comparisons).
+and ``levels == 1`` selects nothing (``engine.values.nonzero_bounds`` reads the sets for comparisons).
 Code *decides* on small integers too: a generation loop's ``unfinished & ~(full(True) | isin(tokens,
 eos))`` is all 0 at the maximum length whatever the tokens are. So elementwise ops give the op of every
 combination of their operands' values (an absorbing operand -- ``x & 0``, ``x | True`` -- forces one),
 fills give their value, ``any``/``all``/``max`` reduce a set, and a scalar read of a tensor whose set
-gives one answer is exact (``engine.data_dependent``). The same rules carry what a tensor holds in the
-assumed case (``engine.assumed_values``), where an operand has an assumption. A known tensor's set is
+gives one answer is exact (``engine.values.data_dependent``). The same rules carry what a tensor holds in the
+assumed case (``engine.values.assumed_values``), where an operand has an assumption. A known tensor's set is
 worked out once per write of its storage (views of one mask ask for it op after op).
-Facts are filed with their storage's write generation (``engine.tensor_facts``): a write through any
+Facts are filed with their storage's write generation (``engine.values.tensor_facts``): a write through any
 alias voids them. This module's job is the lookups and the filing: :func:`values_in`, and
-:func:`carry_value_sets` after each op; the rules of each op are ``engine.value_set_rules``' (and
-``engine.elementwise_sets``' for elementwise ops, fills, ``where``, ``isin`` and ``any``/``all``).
+:func:`carry_value_sets` after each op; the rules of each op are ``engine.values.value_set_rules``' (and
+``engine.values.elementwise_sets``' for elementwise ops, fills, ``where``, ``isin`` and ``any``/``all``).
 
 Example:
     >>> import torch
@@ -48,16 +48,16 @@ from torch import Tensor
 from torch._ops import OpOverload
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-from lightning_memest.engine.assumed_values import (
+from lightning_memest.engine.values.assumed_values import (
     assumed_set,
     file_assumed,
     has_assumption,
     is_source,
     source_assumption,
 )
-from lightning_memest.engine.nonzero_bounds import carried_bounds, file_bound
-from lightning_memest.engine.tensor_facts import fact_of, file_fact, storage_written
-from lightning_memest.engine.value_set_rules import SET_LIMIT, carried_ranges, carried_sets, file_range
+from lightning_memest.engine.values.nonzero_bounds import carried_bounds, file_bound
+from lightning_memest.engine.values.tensor_facts import fact_of, file_fact, storage_written
+from lightning_memest.engine.values.value_set_rules import SET_LIMIT, carried_ranges, carried_sets, file_range
 
 __all__ = ["SetLookup", "ValueLookup", "carry_value_sets", "int_values", "remember_written_sets", "values_in"]
 
@@ -65,7 +65,7 @@ __all__ = ["SetLookup", "ValueLookup", "carry_value_sets", "int_values", "rememb
 ValueLookup = Callable[[Tensor], Tensor | None]
 
 #: The values a tensor can hold (a sorted 1-d CPU tensor), or ``None``: :func:`values_in`, or what it
-#: holds in the assumed case (``engine.assumed_values``).
+#: holds in the assumed case (``engine.values.assumed_values``).
 SetLookup = Callable[[Tensor], Tensor | None]
 
 
@@ -75,7 +75,7 @@ def int_values(real: Tensor) -> list[int]:
         return [int(v) for v in real.reshape(-1).tolist()]
 
 
-#: The fact (``engine.tensor_facts``) of a fake integer tensor holding the values it can have (a sorted
+#: The fact (``engine.values.tensor_facts``) of a fake integer tensor holding the values it can have (a sorted
 #: 1-d CPU tensor).
 _VALUES_ATTR = "_memest_values_in"
 
@@ -141,7 +141,7 @@ def carry_value_sets(
 ) -> None:
     """After ``func`` ran: give its integer outputs of unknown value the set of values they can hold
     (the difference, in Faster R-CNN, between five ``nms`` calls per image and thousands), and their
-    bounds on how many elements are nonzero (``engine.nonzero_bounds``). Picks, views and copies carry
+    bounds on how many elements are nonzero (``engine.values.nonzero_bounds``). Picks, views and copies carry
     their input's set, ``cat``/``stack`` the union, ``sort``/``topk``/``max``... their input's to their
     values and the positions along the dimension to their indices, a boolean ``sum`` ``0..`` its bound;
     ``clamp`` limits them (a floating-point tensor gets an interval, which roundings carry and a cast to
@@ -149,9 +149,9 @@ def carry_value_sets(
     combination of their operands' values -- or the one value an absorbing operand forces (``x & 0``,
     ``x | True``, ``where`` of a known condition); ``any``/``all`` the truths of their input's values;
     ``full``/``fill_``/``zeros``... their value. The same rules carry what a tensor holds in the assumed
-    case (``engine.assumed_values``), where an operand has an assumption. ``kwargs``: the op's keyword
+    case (``engine.values.assumed_values``), where an operand has an assumption. ``kwargs``: the op's keyword
     arguments (without them, rules that read one -- ``add``'s ``alpha`` -- give nothing). A write voids
-    what was known of every tensor on the written storage (``engine.tensor_facts``); what the op's
+    what was known of every tensor on the written storage (``engine.values.tensor_facts``); what the op's
     rules say of its outputs is filed after.
     """
     sets: list[tuple[Any, Tensor]] = []
@@ -196,7 +196,7 @@ def _assumed_sets(
     read: ValueLookup,
     exact: list[tuple[Any, Tensor]],
 ) -> list[tuple[Any, Tensor]]:
-    """What ``func``'s outputs hold in the assumed case (``engine.assumed_values``), where it says more
+    """What ``func``'s outputs hold in the assumed case (``engine.values.assumed_values``), where it says more
     than their exact sets: the rules on the operands' assumed sets, or a comparison's assumption."""
     source = is_source(func)
     if not (source or has_assumption(args)):

@@ -1,7 +1,7 @@
 """Replay of repeated blocks: simulate a few instances of a block for real, and let the others stand
 in with the events of those.
 
-In each step, of a group of ``N`` alike blocks (``engine.blocks``) blocks ``0, 1, 2, N-2, N-1`` run
+In each step, of a group of ``N`` alike blocks (``engine.replay.blocks``) blocks ``0, 1, 2, N-2, N-1`` run
 for real on fake tensors, and ``1``, ``2`` and ``N-2`` are recorded. When the forwards of ``1`` and
 ``2`` ran the same events, blocks ``3 .. N-3`` do not run: each *stand-in* appends block ``1``'s
 forward events with fresh storage handles, and returns fake outputs of the right layout made by one
@@ -9,14 +9,14 @@ autograd node; its backward appends block ``N-2``'s backward events (recorded ju
 runs in reverse) and hands autograd the gradient of its input and its parameters' gradients. Storages
 that cross the block's boundary are real tensors bound to their handles, so the rest of the step --
 user code, the loss, the optimizer over every parameter, ``zero_grad`` -- runs for real and sees an
-ordinary step (torch.optim's own loops replay the stand-ins' parameters: ``engine.optimizer_replay``),
+ordinary step (torch.optim's own loops replay the stand-ins' parameters: ``engine.replay.optimizer_replay``),
 and the stream is an ordinary stream: accounting never knows.
 
 What the block's autograd nodes saved is what keeps its inputs alive into backward: a stand-in holds
 the inputs (and outputs) its template saved until its backward. A storage the template allocated that
 outlives both of its spans without being returned (a cache's keys) dies with the template's own.
 
-A group of several kinds in turn (a period, ``engine.blocks``) is replayed kind by kind: the blocks
+A group of several kinds in turn (a period, ``engine.replay.blocks``) is replayed kind by kind: the blocks
 of each kind are a group of their own, with their own templates.
 
 Checks make replay safe or absent: a stand-in runs only where the inputs match the template's
@@ -47,22 +47,22 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_memest.engine.block_templates import (
+from lightning_memest.engine.events import ModuleEnter, ModuleExit, Phase
+from lightning_memest.engine.fake import device_of
+from lightning_memest.engine.replay.block_templates import (
     Template,
     backward_into,
     dense,
     forward_template,
 )
-from lightning_memest.engine.blocks import (
+from lightning_memest.engine.replay.blocks import (
     BlockGroup,
     BlockRecord,
     layout_of,
     relative_path,
 )
-from lightning_memest.engine.events import ModuleEnter, ModuleExit, Phase
-from lightning_memest.engine.fake import device_of
-from lightning_memest.engine.replay_tracker import ReplayMismatch, ReplayTracker
-from lightning_memest.engine.stand_in_events import Call, CallEvents
+from lightning_memest.engine.replay.replay_tracker import ReplayMismatch, ReplayTracker
+from lightning_memest.engine.replay.stand_in_events import Call, CallEvents
 from lightning_memest.engine.tracker import Tracker
 
 __all__ = ["ReplayMismatch", "ReplayTracker", "block_replay"]
@@ -457,7 +457,7 @@ class _StandIn(torch.autograd.Function):
 
 @contextmanager
 def block_replay(groups: list[BlockGroup], tracker: Tracker) -> Iterator[BlockReplay | None]:
-    """Inside, the blocks of ``groups`` (``engine.blocks.repeated_blocks``, found before the
+    """Inside, the blocks of ``groups`` (``engine.replay.blocks.repeated_blocks``, found before the
     simulation's own hooks are on the model) are replayed where they repeat; ``None`` where there are
     none or ``tracker`` is not a :class:`ReplayTracker`. Each member's ``forward`` is wrapped on the
     instance, and unwrapped on the way out."""
