@@ -77,7 +77,8 @@ class OptimizerReplay:
         self.count = 0
         """Parameter iterations replayed (state creations and updates, every step)."""
         self._owner: dict[int, tuple[int, int, int]] | None = None  # id(parameter) -> group, block, index
-        self._compiled: dict[int, tuple[Any, ...]] = {}  # by id(program): the program and _compile's
+        # By id(program): the program (held, so that its id names no other while cached) and _compile's.
+        self._compiled: dict[int, tuple[Any, ...]] = {}
 
     def runs(self, params: Sequence[Any]) -> dict[int, Run]:
         """Where each group's blocks 1 .. N-2 lie in ``params``, block after block, in the same order
@@ -118,7 +119,7 @@ class OptimizerReplay:
         tracker = self.tracker
         events, step = tracker.events, tracker.step
         compiled = self._compiled.get(id(prog))
-        if compiled is None or compiled[0] is not prog:
+        if compiled is None:
             compiled = self._compiled[id(prog)] = (prog, *_compile(prog))
         _, code, canons, internal = compiled
         # Each name resolved once, in the order of first use (fresh handles as the instructions'

@@ -49,7 +49,8 @@ class CallEvents:
 
     def __init__(self, tracker: ReplayTracker) -> None:
         self.tracker = tracker
-        self._compiled: dict[int, tuple[Any, ...]] = {}  # by id(program): the program and _compile's
+        # By id(program): the program (held, so that its id names no other while cached) and _compile's.
+        self._compiled: dict[int, tuple[Any, ...]] = {}
 
     def resolve(self, call: Call, c: Canon) -> int:
         kind, n = c
@@ -86,7 +87,7 @@ class CallEvents:
         events = tracker.events
         step = tracker.step
         compiled = self._compiled.get(id(program))
-        if compiled is None or compiled[0] is not program:
+        if compiled is None:
             compiled = self._compiled[id(program)] = (program, *_compile(program))
         _, code, canons, rels = compiled
         # Each name and path resolved once a call, in the order of first use (the handles the
