@@ -370,3 +370,48 @@ def test_optimizer_loop_run_otherwise_is_simulated_again(monkeypatch: pytest.Mon
     assert runs == [True, False]
     assert est.replayed_blocks is None
     _same(est, estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.Adam, replay_blocks=False))
+
+
+def test_layouts_read_again_after_an_op_that_can_change_them() -> None:
+    """The optimizer's replay reads each stand-in entry's layout from what was read or made before
+    (``ReplayTracker.handle_and_layout``) only while nothing could have changed it: after an in-place
+    view, ``resize_`` or ``set_``, it reads it again; after in-place arithmetic, not."""
+    from lightning_memest.engine.replay.replay_tracker import ReplayTracker
+    from lightning_memest.engine.tracker import Tracker
+    from lightning_memest.engine.tracking_mode import TrackingFakeTensorMode
+
+    tracker = ReplayTracker()
+    mode = TrackingFakeTensorMode(tracker)
+    with mode:
+        t = torch.empty(4, 8)
+        other = torch.empty(4, 8)
+
+    def now() -> tuple[int | None, tuple[Any, ...]]:
+        return Tracker.handle_and_layout(tracker, t)  # read in full
+
+    def vouch_stale() -> tuple[Any, ...]:
+        """Vouch for a layout ``t`` does not have (its strides marked): what a stale answer would be."""
+        handle, layout = now()
+        stale = (*layout[:2], ("stale",), *layout[3:])
+        assert handle is not None
+        tracker.vouch(t, handle, stale)
+        return stale
+
+    assert tracker.handle_and_layout(t) == now()
+    stale = vouch_stale()
+    assert tracker.handle_and_layout(t)[1] == stale  # answered from what was vouched
+    with mode:
+        t.add_(1.0)
+        t.copy_(other)
+    assert tracker.handle_and_layout(t)[1] == stale  # in-place arithmetic changes no layout
+    changes: list[Callable[[], Any]] = [  # the same shape, other strides: only the ops say
+        lambda: t.as_strided_((4, 8), (1, 4)),
+        lambda: t.set_(t.untyped_storage(), 0, (4, 8), (8, 1)),
+        lambda: t.resize_(2, 3),
+        lambda: t.set_(other.untyped_storage(), 0, (4, 8), (8, 1)),
+    ]
+    for change in changes:
+        vouch_stale()
+        with mode:
+            change()
+        assert tracker.handle_and_layout(t) == now()

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -232,7 +233,7 @@ class StepRunner:
 
 
 def _device_type(model: nn.Module) -> str:
-    for t in (*model.parameters(), *model.buffers()):
+    for t in itertools.chain(model.parameters(), model.buffers()):  # the first only: no list of all
         return t.device.type
     return "cpu"
 

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeGuard
 
 import torch
+import torch._subclasses.fake_tensor as fake_tensor_module
 from torch import Tensor
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 from torch._subclasses.fake_tensor import (
@@ -57,6 +58,7 @@ from lightning_memest.errors import EstimationError
 __all__ = [
     "CaptureFilter",
     "Tracker",
+    "plain_fake",
     "real_value",
     "storages_of",
 ]
@@ -104,6 +106,9 @@ class Tracker:
         rule's kernel): taken by its ``OpEvent``."""
         self.real_ops: Counter[str] = Counter()
         """Ops whose fake kernel failed, run for real on stand-ins (``engine.real_ops``), by op."""
+        self.layout_writes = 0
+        """How many ops so far could change a tensor's layout in place (in-place views, ``set_``,
+        ``resize_``, ``out=``: the tracking mode counts them), for what caches tensors' layouts."""
 
     # --- storages -------------------------------------------------------------------------------
     def _register(self, storage: torch.UntypedStorage, resident: bool, events: list[Event]) -> int:
@@ -140,7 +145,7 @@ class Tracker:
     def handle_of(self, t: Tensor) -> int | None:
         """The handle of ``t``'s storage (a DTensor's local shard's; a sparse tensor's values), if it is
         tracked."""
-        if _plain_fake(t):
+        if plain_fake(t):
             return self._handles.get(t.untyped_storage()._cdata)
         storages = storages_of(local_tensor(t))
         return self._handles.get(storages[-1]._cdata) if storages else None
@@ -149,7 +154,7 @@ class Tracker:
         """:meth:`handle_of` and ``t``'s device, shape, stride, storage offset, dtype, storage bytes and
         ``requires_grad``, its storage read once (what the optimizer's replay asks of every entry of a
         stand-in parameter's lists: some 120 a replayed layer)."""
-        if _plain_fake(t):
+        if plain_fake(t):
             s = t.untyped_storage()
             plain: tuple[Any, ...] = (
                 t.fake_device,
@@ -170,7 +175,7 @@ class Tracker:
 
     def handles_of(self, t: Tensor) -> list[int]:
         """The handles of all of ``t``'s storages that are tracked (a sparse tensor has two or three)."""
-        if _plain_fake(t):
+        if plain_fake(t):
             h = self._handles.get(t.untyped_storage()._cdata)
             return [] if h is None else [h]
         found = (self._handles.get(s._cdata) for s in storages_of(local_tensor(t)))
@@ -223,7 +228,7 @@ class Tracker:
     def tag(self, tensors: list[Tensor], role: Role) -> None:
         module, events, handles = self.module, self.events, self._handles
         for t in tensors:
-            if _plain_fake(t):  # every gradient and state tensor of every step: no list of one
+            if plain_fake(t):  # every gradient and state tensor of every step: no list of one
                 handle = handles.get(t.untyped_storage()._cdata)
                 if handle is not None:
                     events.append(Tag(handle, role, module))
@@ -433,14 +438,20 @@ class Tracker:
 _LAYOUT: Callable[[Tensor], torch.layout] = torch._C.TensorBase.layout.__get__  # type: ignore[attr-defined]
 
 
-def _plain_fake(t: Tensor) -> TypeGuard[FakeTensor]:
+#: Whether a fake tensor is mkldnn only by its ``dispatch_keys`` (torch 2.14: ``FakeTensor.is_mkldnn`` is a
+#: Python property that reads them), so that ``dispatch_keys is None`` says it is not.
+_MKLDNN_BY_KEYS = hasattr(fake_tensor_module, "_dispatch_keys_has_mkldnn")
+
+
+def plain_fake(t: Tensor) -> TypeGuard[FakeTensor]:
     """A strided fake tensor of no subclass and no DTensor: one storage, its own (the common case, asked
     of every tensor the stand-ins meet and of every gradient and state tensor a step tags)."""
     return (
         type(t) is FakeTensor
         and t.dispatch_keys is None
         and _LAYOUT(t) is torch.strided
-        and not t.is_mkldnn  # (FakeTensor.layout says _mkldnn then: storages_of finds none)
+        # (FakeTensor.layout says _mkldnn then: storages_of finds none)
+        and (_MKLDNN_BY_KEYS or not t.is_mkldnn)
         and getattr(t, "_local_tensor", None) is None
     )
 

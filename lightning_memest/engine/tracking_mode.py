@@ -116,6 +116,8 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             # A tensor's device or sizes asked through dispatch (autograd's engine asks for every
             # gradient's device): the fake mode answers these first thing, without running an op.
             return metadata(args)
+        if _writes_layout(func):
+            self.tracker.layout_writes += 1
         kwargs = dict(kwargs or {})
         if self._depth:
             # An op run inside another (a fake kernel's own ops, a policy's): not part of the step. Not
@@ -175,6 +177,14 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             if isinstance(a, Tensor) and not (isinstance(a, FakeTensor) and a.fake_mode is self):
                 return False
         return True
+
+
+@functools.cache
+def _writes_layout(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` can change the shape, strides, offset or storage of a tensor it is given: the
+    in-place views (``t_``, ``as_strided_``, ``set_``, ``resize_``: tagged so) and ``out=`` ops, which
+    resize their ``out``. In-place arithmetic (``add_``) cannot: it refuses another shape."""
+    return torch.Tag.inplace_view in func.tags or any(a.is_out for a in func._schema.arguments)
 
 
 @functools.cache

@@ -326,7 +326,9 @@ class BlockReplay:
         outs: list[Tensor] = []
         for i, (canon, lay) in enumerate(zip(template.outputs, template.output_layouts, strict=True)):
             if i == template.grad_output:
-                t = _StandIn.apply(self, call_id, i, x)
+                # Below the modes: the node's checks of its input's device (3) need no op of the step.
+                with torch._C._DisableTorchDispatch():
+                    t = _StandIn.apply(self, call_id, i, x)
             else:
                 t = self.out.make(lay, call.device)
                 self.out.bind(call, t, canon)
@@ -383,7 +385,8 @@ class BlockReplay:
             if p.grad is not None:
                 raise ReplayMismatch(f"a parameter of block {call.block} already had a gradient")
             g = self.out.make(lay, device)
-            self.out.bind(call, g, canon)
+            # Made to the layout: the optimizer's replay reads it as that (ReplayTracker.vouch).
+            tracker.vouch(g, self.out.bind(call, g, canon), (device, *lay[:5], False))
             with torch._C._DisableTorchDispatch():  # the setter's checks ask both for devices: 6 ops
                 p.grad = g
         call.keep = []

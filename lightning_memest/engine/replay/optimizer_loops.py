@@ -270,4 +270,6 @@ class Loop:
 def equal(a: Tensor, b: Tensor) -> bool:
     """Two constants' values compared as real tensors (no op of the step)."""
     with torch._C._DisableTorchDispatch():
+        if a.shape == b.shape and a.numel() == 1:  # a step counter: as torch.equal, a third of its time
+            return bool(a.item() == b.item())
         return bool(torch.equal(a, b))

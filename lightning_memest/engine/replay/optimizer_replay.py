@@ -383,7 +383,12 @@ class OptimizerReplay:
                         if spec is None:  # the template's layout once, not once per stand-in
                             spec = specs[id(v)] = (tuple(v.shape), tuple(v.stride()), v.dtype, v.device)
                         t_new = _fake_like(mode, v, spec)
-                        self.tracker.bind(t_new, made_handles[held[key]])
+                        handle = made_handles[held[key]]
+                        self.tracker.bind(t_new, handle)
+                        # Made to the layout: the updates' replay reads it as that (ReplayTracker.vouch).
+                        shape, stride, dtype, device = spec
+                        nbytes = t_new.untyped_storage().nbytes()
+                        self.tracker.vouch(t_new, handle, (device, shape, stride, 0, dtype, nbytes, False))
                         new[key] = t_new
                     else:
                         new[key] = copy.deepcopy(v)

@@ -135,9 +135,11 @@ class CallEvents:
             raise ReplayMismatch("a stand-in cannot make a tensor of this layout")
         return t
 
-    def bind(self, call: Call, t: Tensor, canon: Canon) -> None:
+    def bind(self, call: Call, t: Tensor, canon: Canon) -> int:
+        """``t`` is the storage ``canon`` names in ``call``; its handle."""
         h = self.resolve(call, canon)
         call.real[h] = self.tracker.bind(t, h)
+        return h
 
 
 def _compile(program: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Canon], list[str]]:
