@@ -59,6 +59,7 @@ __all__ = [
     "CaptureFilter",
     "Tracker",
     "plain_fake",
+    "plain_layout",
     "real_value",
     "storages_of",
 ]
@@ -156,14 +157,8 @@ class Tracker:
         stand-in parameter's lists: some 120 a replayed layer)."""
         if plain_fake(t):
             s = t.untyped_storage()
-            plain: tuple[Any, ...] = (
-                t.fake_device,
-                t.shape,
-                t.stride(),
-                t.storage_offset(),
-                t.dtype,
-                s.nbytes(),
-                t.requires_grad,
+            plain = plain_layout(
+                t.fake_device, t.shape, t.stride(), t.storage_offset(), t.dtype, s.nbytes(), t.requires_grad
             )
             return self._handles.get(s._cdata), plain
         storages = storages_of(local_tensor(t))
@@ -441,6 +436,20 @@ _LAYOUT: Callable[[Tensor], torch.layout] = torch._C.TensorBase.layout.__get__  
 #: Whether a fake tensor is mkldnn only by its ``dispatch_keys`` (torch 2.14: ``FakeTensor.is_mkldnn`` is a
 #: Python property that reads them), so that ``dispatch_keys is None`` says it is not.
 _MKLDNN_BY_KEYS = hasattr(fake_tensor_module, "_dispatch_keys_has_mkldnn")
+
+
+def plain_layout(
+    device: torch.device,
+    shape: Sequence[int],
+    stride: Sequence[int],
+    offset: int | torch.SymInt,
+    dtype: torch.dtype,
+    nbytes: int,
+    requires_grad: bool,
+) -> tuple[Any, ...]:
+    """The layout :meth:`Tracker.handle_and_layout` gives a :func:`plain_fake` tensor, in its order (also
+    what a stand-in vouches for a tensor it made: ``ReplayTracker.vouch``)."""
+    return (device, shape, stride, offset, dtype, nbytes, requires_grad)
 
 
 def plain_fake(t: Tensor) -> TypeGuard[FakeTensor]:

@@ -63,7 +63,7 @@ from lightning_memest.engine.replay.blocks import (
 )
 from lightning_memest.engine.replay.replay_tracker import ReplayMismatch, ReplayTracker
 from lightning_memest.engine.replay.stand_in_events import Call, CallEvents
-from lightning_memest.engine.tracker import Tracker
+from lightning_memest.engine.tracker import Tracker, plain_layout
 
 __all__ = ["ReplayMismatch", "ReplayTracker", "block_replay"]
 
@@ -386,7 +386,9 @@ class BlockReplay:
                 raise ReplayMismatch(f"a parameter of block {call.block} already had a gradient")
             g = self.out.make(lay, device)
             # Made to the layout: the optimizer's replay reads it as that (ReplayTracker.vouch).
-            tracker.vouch(g, self.out.bind(call, g, canon), (device, *lay[:5], False))
+            shape, stride, offset, dtype, nbytes, _ = lay  # (make refused another offset or size)
+            made = plain_layout(device, shape, stride, offset, dtype, nbytes, False)
+            tracker.vouch(g, self.out.bind(call, g, canon), made)
             with torch._C._DisableTorchDispatch():  # the setter's checks ask both for devices: 6 ops
                 p.grad = g
         call.keep = []

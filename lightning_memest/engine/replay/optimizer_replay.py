@@ -63,7 +63,7 @@ from lightning_memest.engine.replay.optimizer_loops import (
     equal,
 )
 from lightning_memest.engine.replay.replay_tracker import ReplayMismatch, ReplayTracker
-from lightning_memest.engine.tracker import Tracker
+from lightning_memest.engine.tracker import Tracker, plain_layout
 
 __all__ = ["OptimizerReplay", "optimizer_replay"]
 
@@ -388,7 +388,8 @@ class OptimizerReplay:
                         # Made to the layout: the updates' replay reads it as that (ReplayTracker.vouch).
                         shape, stride, dtype, device = spec
                         nbytes = t_new.untyped_storage().nbytes()
-                        self.tracker.vouch(t_new, handle, (device, shape, stride, 0, dtype, nbytes, False))
+                        made = plain_layout(device, shape, stride, 0, dtype, nbytes, False)
+                        self.tracker.vouch(t_new, handle, made)
                         new[key] = t_new
                     else:
                         new[key] = copy.deepcopy(v)

@@ -88,9 +88,10 @@ class ReplayTracker(Tracker):
         self._refs[key] = weakref.ref(storage, self._free_callback(key, handle))
 
     def vouch(self, t: Tensor, handle: int, layout: tuple[Any, ...]) -> None:
-        """``layout`` is :meth:`handle_and_layout`'s for ``t``, a plain fake tensor of storage ``handle``
-        (one a stand-in made to a template's layout, or one read in full)."""
-        self._vouched[id(t)] = (weakref.ref(t), handle, layout[1], layout[6], layout)
+        """``layout`` (``engine.tracker.plain_layout``) is :meth:`handle_and_layout`'s for ``t``, a plain fake
+        tensor of storage ``handle`` (one a stand-in made to a template's layout, or one read in full)."""
+        _, shape, *_, requires_grad = layout  # (plain_layout's order)
+        self._vouched[id(t)] = (weakref.ref(t), handle, shape, requires_grad, layout)
 
     def handle_and_layout(self, t: Tensor) -> tuple[int | None, tuple[Any, ...]]:
         """:meth:`Tracker.handle_and_layout`, from what was vouched for ``t`` while that holds: the same
