@@ -130,8 +130,11 @@ def fake_tensor(
     stand-in makes, whose allocation is replayed (an op through the fake mode costs 5x more), and a
     model's parameter where it was built on the meta device (``is_param``: ``isinstance(t,
     nn.Parameter)`` holds, as ``FakeTensor(..., _is_param=True)`` makes it)."""
-    with torch._C._DisableTorchDispatch():
+    if _EXCLUDED(_PYTHON_KEY):  # called below the modes already (a stand-in making its gradients)
         meta = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
+    else:
+        with torch._C._DisableTorchDispatch():  # (1 us of the tensor's 6: callers making many go below)
+            meta = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
     state = None if FakeTensorConfig.debug else _fresh_state(mode, device)
     if state is None or "_fake_device" not in state or state.get("constant", 0) is not None:
         # (torch before 2.14 names its attributes otherwise, and takes no requires_grad: no parameters)
@@ -161,6 +164,8 @@ def fake_tensor(
 
 _FRESH: dict[torch.device, dict[str, Any]] = {}
 _META = torch.device("meta")  # an object, not the string: no parse at each tensor made (a quarter less)
+_EXCLUDED = torch._C._dispatch_tls_is_dispatch_key_excluded
+_PYTHON_KEY = torch._C.DispatchKey.Python  # excluded below the modes (torch._C._DisableTorchDispatch)
 
 
 def _fresh_state(mode: FakeTensorMode, device: torch.device) -> dict[str, Any]:

@@ -366,6 +366,19 @@ class BlockReplay:
         tracker.real_ops.update(template.backward_real)
         assert template.grad_input_layout is not None and dense(template.grad_input_layout)
         assert call.device is not None
+        # Below the modes from here: the tensors made (each of which would enter and leave them) and the
+        # gradients' setter (whose checks ask both tensors for their devices: 6 ops) run no op of the step.
+        with torch._C._DisableTorchDispatch():
+            grad_in = self._grads(template, call, h)
+        call.keep = []
+        return grad_in
+
+    def _grads(self, template: Template, call: Call, h: int) -> Tensor:
+        """The gradient of a stand-in's input, and its parameters' (set on them), made to the template's
+        layouts (``h``: the handle of its output's gradient)."""
+        tracker = self.tracker
+        assert template.grad_input is not None and template.grad_input_layout is not None
+        assert call.device is not None
         grad_in = self.out.make(template.grad_input_layout, call.device)
         if template.grad_input == ("go", 0):  # the output's gradient's storage, taken over
             key = call.real.pop(h, None)
@@ -389,9 +402,7 @@ class BlockReplay:
             shape, stride, offset, dtype, nbytes, _ = lay  # (make refused another offset or size)
             made = plain_layout(device, shape, stride, offset, dtype, nbytes, False)
             tracker.vouch(g, self.out.bind(call, g, canon), made)
-            with torch._C._DisableTorchDispatch():  # the setter's checks ask both for devices: 6 ops
-                p.grad = g
-        call.keep = []
+            p.grad = g
         return grad_in
 
     def _backward_template(self, state: _Group) -> Template:

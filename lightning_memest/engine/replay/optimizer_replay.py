@@ -137,20 +137,39 @@ class OptimizerReplay:
                 hs.append(prev[c[1]][0])
             else:
                 hs.append(int(c[1]))
-        for ins in code:
-            kind = ins[0]
-            if kind == "op":
-                tracker.op_index += 1
-                outs = None if ins[4] is None else tuple([hs[k] for k in ins[4]])
-                events.append(
-                    OpEvent(tracker.op_index, step, Phase.OPTIMIZER, ins[2], ins[1], ins[3], outs, ins[5])
-                )
-            elif kind == "alloc":
-                events.append(Alloc(hs[ins[1]], ins[2]))
-            elif kind == "free":
-                events.append(Free(hs[ins[1]]))
+        new, ap, i, phase = object.__new__, events.append, tracker.op_index, Phase.OPTIMIZER
+        for kind, a, b, c, d, e in code:
+            # As engine.replay.stand_in_events emits: every field set, without the constructor's call.
+            if kind == _OP:
+                i += 1
+                ev = new(OpEvent)
+                ev.index = i
+                ev.step = step
+                ev.phase = phase
+                ev.module = a
+                ev.op = b
+                ev.call = c
+                ev.outputs = None if d is None else tuple([hs[k] for k in d])
+                ev.numel = e
+                ev.workspace = 0  # program() refuses an op that ran for real
+                ap(ev)
+            elif kind == _ALLOC:
+                al = new(Alloc)
+                al.storage = hs[a]
+                al.nbytes = b
+                al.resident = False
+                ap(al)
+            elif kind == _FREE:
+                fr = new(Free)
+                fr.storage = hs[a]
+                ap(fr)
             else:
-                events.append(Tag(hs[ins[1]], ins[2], ins[3]))
+                tg = new(Tag)
+                tg.storage = hs[a]
+                tg.role = b
+                tg.module = c
+                ap(tg)
+        tracker.op_index = i
         tracker._step_ran_op = True
         return [hs[k] for k in internal]
 
@@ -375,25 +394,8 @@ class OptimizerReplay:
             )
             appended, made, _, holds = shapes[m]
             if made:
-                held = dict(holds)
-                new: dict[Any, Any] = {}
-                for key, v in state[tp].items():
-                    if isinstance(v, Tensor):
-                        spec = specs.get(id(v))
-                        if spec is None:  # the template's layout once, not once per stand-in
-                            spec = specs[id(v)] = (tuple(v.shape), tuple(v.stride()), v.dtype, v.device)
-                        t_new = _fake_like(mode, v, spec)
-                        handle = made_handles[held[key]]
-                        self.tracker.bind(t_new, handle)
-                        # Made to the layout: the updates' replay reads it as that (ReplayTracker.vouch).
-                        shape, stride, dtype, device = spec
-                        nbytes = t_new.untyped_storage().nbytes()
-                        made = plain_layout(device, shape, stride, 0, dtype, nbytes, False)
-                        self.tracker.vouch(t_new, handle, made)
-                        new[key] = t_new
-                    else:
-                        new[key] = copy.deepcopy(v)
-                state[p] = new
+                with torch._C._DisableTorchDispatch():  # its tensors made below the modes at once
+                    state[p] = self.state_like(mode, state[tp], made_handles, dict(holds), specs)
             st = state[p]
             for lst, entries in zip(lists, appended, strict=True):
                 for e in entries:
@@ -401,6 +403,35 @@ class OptimizerReplay:
         loop.done.append(run)
         self.count += len(stand)
         return True
+
+    def state_like(
+        self,
+        mode: Any,
+        template: dict[Any, Any],
+        handles: list[int],
+        held: dict[Any, int],
+        specs: dict[int, Any],
+    ) -> dict[Any, Any]:
+        """A stand-in's state: the template's, its tensors made to their layouts and bound to the handles
+        of their replayed allocations (``held``: each key's index among ``handles``; ``specs``: the
+        templates' layouts found so far, by id)."""
+        new: dict[Any, Any] = {}
+        for key, v in template.items():
+            if isinstance(v, Tensor):
+                spec = specs.get(id(v))
+                if spec is None:  # the template's layout once, not once per stand-in
+                    spec = specs[id(v)] = (tuple(v.shape), tuple(v.stride()), v.dtype, v.device)
+                t = _fake_like(mode, v, spec)
+                handle = handles[held[key]]
+                self.tracker.bind(t, handle)
+                # Made to the layout: the updates' replay reads it as that (ReplayTracker.vouch).
+                shape, stride, dtype, device = spec
+                layout = plain_layout(device, shape, stride, 0, dtype, t.untyped_storage().nbytes(), False)
+                self.tracker.vouch(t, handle, layout)
+                new[key] = t
+            else:
+                new[key] = copy.deepcopy(v)
+        return new
 
     @staticmethod
     def same_state(a: dict[Any, Any], b: dict[Any, Any], layouts: dict[int, Layout]) -> bool:
@@ -424,6 +455,10 @@ class OptimizerReplay:
         return True
 
 
+#: The kinds of a compiled iteration's instructions, each a 6-tuple: the kind, then its fields, padded.
+_OP, _ALLOC, _FREE, _TAG = range(4)
+
+
 def _compile(prog: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], list[Canon], list[int]]:
     """An iteration's program with its names replaced by their indexes in the list of names returned
     (each at its first use), and the indexes of its own storages (``("i", n)``) by ``n``."""
@@ -437,11 +472,13 @@ def _compile(prog: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], list[C
         kind = ins[0]
         if kind == "op":
             outs = None if ins[4] is None else tuple(name(c) for c in ins[4])
-            code.append(("op", ins[1], ins[2], ins[3], outs, ins[5]))
+            code.append((_OP, ins[2], ins[1], ins[3], outs, ins[5]))
         elif kind == "tag":
-            code.append(("tag", name(ins[1]), ins[2], ins[3]))
-        else:  # alloc, free: the name, and the bytes of an alloc
-            code.append((kind, name(ins[1]), *ins[2:]))
+            code.append((_TAG, name(ins[1]), ins[2], ins[3], None, None))
+        elif kind == "alloc":
+            code.append((_ALLOC, name(ins[1]), ins[2], None, None, None))
+        else:
+            code.append((_FREE, name(ins[1]), None, None, None, None))
     made = sorted((c[1], k) for c, k in names.items() if c[0] == "i")
     return tuple(code), list(names), [k for _, k in made]
 
@@ -451,7 +488,7 @@ def _fake_like(mode: Any, v: Tensor, spec: tuple[Any, ...]) -> Tensor:
     stand-in's state: its allocation is replayed)."""
     constant = getattr(v, "constant", None)
     if constant is not None:
-        with torch._C._DisableTorchDispatch():
+        with torch._C._DisableTorchDispatch():  # (under the caller's: the real tensor's own clone)
             constant = constant.clone()
     shape, stride, dtype, device = spec
     return fake_tensor(mode, shape, stride, dtype, device, constant)

@@ -5,7 +5,7 @@ call (a replayed layer emits some 500 events a step).
 
 Example:
     >>> _compile((("alloc", ("i", 0), 64), ("free", ("i", 0))))
-    ((('alloc', 0, 64), ('free', 0)), [('i', 0)], [])
+    (((1, 0, 64, None, None, None), (2, 0, None, None, None, None)), [('i', 0)], [])
 """
 
 from __future__ import annotations
@@ -84,46 +84,75 @@ class CallEvents:
 
     def emit(self, program: tuple[Any, ...], call: Call, phase: Phase) -> None:
         tracker = self.tracker
-        events = tracker.events
-        step = tracker.step
+        events, step = tracker.events, tracker.step
         compiled = self._compiled.get(id(program))
         if compiled is None:
             compiled = self._compiled[id(program)] = (program, *_compile(program))
         _, code, canons, rels = compiled
         # Each name and path resolved once a call, in the order of first use (the handles the
         # instructions' own order would give), then read by index (a replayed layer emits some 500).
-        hs = [self.resolve(call, c) for c in canons]
+        hs: list[int] = []
+        internal, new_handle = call.internal, tracker.new_handle
+        for c in canons:
+            if c[0] == "i":  # most names: resolve's first case, without its call
+                h = internal.get(c[1])
+                if h is None:
+                    h = internal[c[1]] = new_handle()
+                hs.append(h)
+            else:
+                hs.append(self.resolve(call, c))
         ps = [self.path(call, r) for r in rels]
         backward = phase is Phase.BACKWARD
-        for ins in code:
-            kind = ins[0]
-            if kind == "op":
-                tracker.op_index += 1
-                outs = None if ins[4] is None else tuple([-1 if k < 0 else hs[k] for k in ins[4]])
-                events.append(
-                    OpEvent(tracker.op_index, step, phase, ps[ins[2]], ins[1], ins[3], outs, ins[5])
-                )
-            elif kind == "alloc":
-                events.append(Alloc(hs[ins[1]], ins[2]))
-            elif kind == "free":
-                h = hs[ins[1]]
-                key = call.real.pop(h, None)
-                if key is not None:
-                    tracker.forget(key, h)
-                tracker.linked.discard(h)
-                events.append(Free(h))
-            elif kind == "tag":
-                events.append(Tag(hs[ins[1]], ins[2], ps[ins[3]]))
-            elif kind == "enter":
-                tracker.enter_module(ps[ins[1]], backward=backward)
+        new, ap, i = object.__new__, events.append, tracker.op_index
+        real_pop, forget, discard = call.real.pop, tracker.forget, tracker.linked.discard
+        for kind, a, b, c, d, e in code:
+            # Events made as their dataclass makes them, every field set, without its constructor's call
+            # (a third of an event's cost): an event class with another field fails the replay tests.
+            if kind == _OP:
+                i += 1
+                ev = new(OpEvent)
+                ev.index = i
+                ev.step = step
+                ev.phase = phase
+                ev.module = ps[a]
+                ev.op = b
+                ev.call = c
+                ev.outputs = None if d is None else tuple([-1 if k < 0 else hs[k] for k in d])
+                ev.numel = e
+                ev.workspace = 0  # a template's op ran no kernel for real (blocks refuse those)
+                ap(ev)
+            elif kind == _ALLOC:
+                al = new(Alloc)
+                al.storage = hs[a]
+                al.nbytes = b
+                al.resident = False
+                ap(al)
+            elif kind == _FREE:
+                h = hs[a]
+                key = real_pop(h, None)
+                if key is not None:  # a bound storage's real death records nothing more
+                    forget(key, h)
+                discard(h)
+                fr = new(Free)
+                fr.storage = h
+                ap(fr)
+            elif kind == _TAG:
+                tg = new(Tag)
+                tg.storage = hs[a]
+                tg.role = b
+                tg.module = ps[c]
+                ap(tg)
+            elif kind == _ENTER:
+                tracker.enter_module(ps[a], backward=backward)
             else:  # exit
-                p = ps[ins[1]]
+                p = ps[a]
                 stack = tracker._backward_stack if backward else tracker._forward_stack
-                for i in range(len(stack) - 1, -1, -1):
-                    if stack[i] == p:
-                        del stack[i]
+                for j in range(len(stack) - 1, -1, -1):
+                    if stack[j] == p:
+                        del stack[j]
                         break
-                events.append(ModuleExit(p, ins[2], tuple([hs[k] for k in ins[3]])))
+                ap(ModuleExit(p, b, tuple([hs[k] for k in c])))
+        tracker.op_index = i
         tracker._step_ran_op = True
 
     def make(self, lay: Layout, device: torch.device) -> Tensor:
@@ -142,9 +171,14 @@ class CallEvents:
         return h
 
 
+#: The kinds of a compiled program's instructions, each a 6-tuple: the kind, then its fields, padded.
+_OP, _ALLOC, _FREE, _TAG, _ENTER, _EXIT = range(6)
+
+
 def _compile(program: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Canon], list[str]]:
     """A template's program with its names (canonical handles) and module paths replaced by their
-    indexes in the two lists returned, each listed at its first use."""
+    indexes in the two lists returned, each listed at its first use; each instruction a 6-tuple of its
+    kind and fields (unpacked in one step by the emitting loop)."""
     canons: dict[Canon, int] = {}
     rels: dict[str, int] = {}
 
@@ -159,15 +193,15 @@ def _compile(program: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Canon], li
         kind = ins[0]
         if kind == "op":
             outs = None if ins[4] is None else tuple(-1 if c is None else name(c) for c in ins[4])
-            code.append(("op", ins[1], path(ins[2]), ins[3], outs, ins[5]))
+            code.append((_OP, path(ins[2]), ins[1], ins[3], outs, ins[5]))
         elif kind == "alloc":
-            code.append(("alloc", name(ins[1]), ins[2]))
+            code.append((_ALLOC, name(ins[1]), ins[2], None, None, None))
         elif kind == "free":
-            code.append(("free", name(ins[1])))
+            code.append((_FREE, name(ins[1]), None, None, None, None))
         elif kind == "tag":
-            code.append(("tag", name(ins[1]), ins[2], path(ins[3])))
+            code.append((_TAG, name(ins[1]), ins[2], path(ins[3]), None, None))
         elif kind == "enter":
-            code.append(("enter", path(ins[1])))
+            code.append((_ENTER, path(ins[1]), None, None, None, None))
         else:  # exit
-            code.append(("exit", path(ins[1]), ins[2], tuple(name(c) for c in ins[3])))
+            code.append((_EXIT, path(ins[1]), ins[2], tuple(name(c) for c in ins[3]), None, None))
     return tuple(code), list(canons), list(rels)
