@@ -130,7 +130,7 @@ def fake_tensor(
     stand-in makes, whose allocation is replayed (an op through the fake mode costs 5x more), and a
     model's parameter where it was built on the meta device (``is_param``: ``isinstance(t,
     nn.Parameter)`` holds, as ``FakeTensor(..., _is_param=True)`` makes it)."""
-    if _EXCLUDED(_PYTHON_KEY):  # called below the modes already (a stand-in making its gradients)
+    if below_modes():  # called below the modes already (a stand-in making its gradients)
         meta = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
     else:
         with torch._C._DisableTorchDispatch():  # (1 us of the tensor's 6: callers making many go below)
@@ -166,6 +166,13 @@ _FRESH: dict[torch.device, dict[str, Any]] = {}
 _META = torch.device("meta")  # an object, not the string: no parse at each tensor made (a quarter less)
 _EXCLUDED = torch._C._dispatch_tls_is_dispatch_key_excluded
 _PYTHON_KEY = torch._C.DispatchKey.Python  # excluded below the modes (torch._C._DisableTorchDispatch)
+
+
+def below_modes() -> bool:
+    """Whether the code running is below the dispatcher's Python layer (inside
+    ``torch._C._DisableTorchDispatch``): no op reaches a mode or subclass, and another such block
+    (1 us to enter and leave) is not needed."""
+    return _EXCLUDED(_PYTHON_KEY)
 
 
 def _fresh_state(mode: FakeTensorMode, device: torch.device) -> dict[str, Any]:

@@ -102,12 +102,13 @@ class _Group:
         self.members: dict[int, _Member] = {}
         """By module id: a member's path, parameters and buffers (the fake ones, which the simulation
         does not replace), looked up once, not at every stand-in of every step."""
+        self.index = {id(m): k for k, m in enumerate(group.modules)}  # (not a search of the members each)
         self.reset(-1)
 
     def member(self, module: nn.Module) -> _Member:
         found = self.members.get(id(module))
         if found is None:
-            path = next(p for p, m in zip(self.group.members, self.group.modules, strict=True) if m is module)
+            path = self.group.members[self.index[id(module)]]
             params = tuple(module.parameters())
             devices = tuple(device_of(p) for p in params)
             found = self.members[id(module)] = _Member(path, params, tuple(module.buffers()), devices)

@@ -19,6 +19,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_memest.engine.events import Alloc, Event, Free, OpEvent, Phase, Tag
+from lightning_memest.engine.fake import below_modes
 from lightning_memest.engine.replay.replay_tracker import ReplayMismatch
 from lightning_memest.engine.tracker import Tracker
 
@@ -227,7 +228,8 @@ class Loop:
         if mine != key:
             return False
         held = [h for h in own if h is not None]
-        if len(set(held)) != len(held) or len(held) != sum(k is not True and k is not False for k in key):
+        tensors = len(key) - key.count(True) - key.count(False)  # (a tensor's entry is a tuple)
+        if len(set(held)) != len(held) or len(held) != tensors:
             return False
         before = self.iters[self.at[template]].before
         for k, c in enumerate(consts):
@@ -240,11 +242,14 @@ class Loop:
 
     def followconstants(self, template: int, consts: tuple[Any, ...]) -> None:
         """A stand-in's step counters (its :meth:`facts`' constants) take the values its template's
-        iteration gave them."""
-        with torch._C._DisableTorchDispatch():
-            for lst, c in zip(self.lists, consts, strict=True):
-                if c is not None:
-                    c.copy_(lst[template].constant)
+        iteration gave them (real tensors: copied below the modes)."""
+        if not below_modes():
+            with torch._C._DisableTorchDispatch():
+                return self.followconstants(template, consts)
+        for lst, c in zip(self.lists, consts, strict=True):
+            if c is not None:
+                c.copy_(lst[template].constant)
+        return None
 
     def templates(self, run: Run, extra: Callable[[int], Any] | None = None) -> list[Program] | None:
         """Block 1's iterations, equal to block 2's, each outliving storages the next one frees."""
@@ -268,8 +273,10 @@ class Loop:
 
 
 def equal(a: Tensor, b: Tensor) -> bool:
-    """Two constants' values compared as real tensors (no op of the step)."""
-    with torch._C._DisableTorchDispatch():
-        if a.shape == b.shape and a.numel() == 1:  # a step counter: as torch.equal, a third of its time
-            return bool(a.item() == b.item())
-        return bool(torch.equal(a, b))
+    """Two constants' values compared as real tensors (below the modes: no op of the step)."""
+    if not below_modes():
+        with torch._C._DisableTorchDispatch():
+            return equal(a, b)
+    if a.shape == b.shape and a.numel() == 1:  # a step counter: as torch.equal, a third of its time
+        return bool(a.item() == b.item())
+    return bool(torch.equal(a, b))
