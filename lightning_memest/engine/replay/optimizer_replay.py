@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_memest.engine.events import Alloc, Free, OpEvent, Phase, Tag
+from lightning_memest.engine.events import Phase
 from lightning_memest.engine.fake import fake_tensor
 from lightning_memest.engine.replay.block_templates import dense
 from lightning_memest.engine.replay.blocks import BlockGroup, Layout, layout_of
@@ -63,6 +63,7 @@ from lightning_memest.engine.replay.optimizer_loops import (
     equal,
 )
 from lightning_memest.engine.replay.replay_tracker import ReplayMismatch, ReplayTracker
+from lightning_memest.engine.replay.stand_in_events import ALLOC, FREE, OP, TAG, append_program
 from lightning_memest.engine.tracker import Tracker, plain_layout
 
 __all__ = ["OptimizerReplay", "optimizer_replay"]
@@ -117,11 +118,10 @@ class OptimizerReplay:
     ) -> list[int]:
         """Append one iteration's events with ``own``'s handles and fresh ones; those, by allocation."""
         tracker = self.tracker
-        events, step = tracker.events, tracker.step
         compiled = self._compiled.get(id(prog))
         if compiled is None:
             compiled = self._compiled[id(prog)] = (prog, *_compile(prog))
-        _, code, canons, internal = compiled
+        _, code, canons, paths, internal = compiled
         # Each name resolved once, in the order of first use (fresh handles as the instructions'
         # own order would give them), then read by index.
         hs: list[int] = []
@@ -137,40 +137,7 @@ class OptimizerReplay:
                 hs.append(prev[c[1]][0])
             else:
                 hs.append(int(c[1]))
-        new, ap, i, phase = object.__new__, events.append, tracker.op_index, Phase.OPTIMIZER
-        for kind, a, b, c, d, e in code:
-            # As engine.replay.stand_in_events emits: every field set, without the constructor's call.
-            if kind == _OP:
-                i += 1
-                ev = new(OpEvent)
-                ev.index = i
-                ev.step = step
-                ev.phase = phase
-                ev.module = a
-                ev.op = b
-                ev.call = c
-                ev.outputs = None if d is None else tuple([hs[k] for k in d])
-                ev.numel = e
-                ev.workspace = 0  # program() refuses an op that ran for real
-                ap(ev)
-            elif kind == _ALLOC:
-                al = new(Alloc)
-                al.storage = hs[a]
-                al.nbytes = b
-                al.resident = False
-                ap(al)
-            elif kind == _FREE:
-                fr = new(Free)
-                fr.storage = hs[a]
-                ap(fr)
-            else:
-                tg = new(Tag)
-                tg.storage = hs[a]
-                tg.role = b
-                tg.module = c
-                ap(tg)
-        tracker.op_index = i
-        tracker._step_ran_op = True
+        append_program(tracker, code, hs, paths, Phase.OPTIMIZER, {})  # (it binds no storage)
         return [hs[k] for k in internal]
 
     def carry_over(self, loop: Loop, run: Run, progs: list[Program]) -> dict[int, int] | None:
@@ -457,32 +424,33 @@ class OptimizerReplay:
         return True
 
 
-#: The kinds of a compiled iteration's instructions, each a 6-tuple: the kind, then its fields, padded.
-_OP, _ALLOC, _FREE, _TAG = range(4)
-
-
-def _compile(prog: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], list[Canon], list[int]]:
-    """An iteration's program with its names replaced by their indexes in the list of names returned
-    (each at its first use), and the indexes of its own storages (``("i", n)``) by ``n``."""
+def _compile(prog: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...], list[Canon], list[str], list[int]]:
+    """An iteration's program as ``engine.replay.stand_in_events.append_program`` appends it: its names
+    and module paths replaced by their indexes in the two lists returned (each at its first use), and
+    the indexes of its own storages (``("i", n)``) by ``n``."""
     names: dict[Canon, int] = {}
+    paths: dict[str, int] = {}
 
     def name(c: Canon) -> int:
         return names.setdefault(c, len(names))
+
+    def path(module: str) -> int:
+        return paths.setdefault(module, len(paths))
 
     code: list[tuple[Any, ...]] = []
     for ins in prog:
         kind = ins[0]
         if kind == "op":
             outs = None if ins[4] is None else tuple(name(c) for c in ins[4])
-            code.append((_OP, ins[2], ins[1], ins[3], outs, ins[5]))
+            code.append((OP, path(ins[2]), ins[1], ins[3], outs, ins[5]))
         elif kind == "tag":
-            code.append((_TAG, name(ins[1]), ins[2], ins[3], None, None))
+            code.append((TAG, name(ins[1]), ins[2], path(ins[3]), None, None))
         elif kind == "alloc":
-            code.append((_ALLOC, name(ins[1]), ins[2], None, None, None))
+            code.append((ALLOC, name(ins[1]), ins[2], None, None, None))
         else:
-            code.append((_FREE, name(ins[1]), None, None, None, None))
+            code.append((FREE, name(ins[1]), None, None, None, None))
     made = sorted((c[1], k) for c, k in names.items() if c[0] == "i")
-    return tuple(code), list(names), [k for _, k in made]
+    return tuple(code), list(names), list(paths), [k for _, k in made]
 
 
 def _fake_like(mode: Any, v: Tensor, spec: tuple[Any, ...]) -> Tensor:

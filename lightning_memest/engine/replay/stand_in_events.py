@@ -10,6 +10,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +23,7 @@ from lightning_memest.engine.replay.blocks import Canon, Layout
 from lightning_memest.engine.replay.replay_tracker import ReplayMismatch, ReplayTracker
 from lightning_memest.engine.tracking_mode import TrackingFakeTensorMode
 
-__all__ = ["Call", "CallEvents"]
+__all__ = ["ALLOC", "ENTER", "EXIT", "FREE", "OP", "TAG", "Call", "CallEvents", "append_program"]
 
 
 @dataclass
@@ -84,7 +85,6 @@ class CallEvents:
 
     def emit(self, program: tuple[Any, ...], call: Call, phase: Phase) -> None:
         tracker = self.tracker
-        events, step = tracker.events, tracker.step
         compiled = self._compiled.get(id(program))
         if compiled is None:
             compiled = self._compiled[id(program)] = (program, *_compile(program))
@@ -102,58 +102,7 @@ class CallEvents:
             else:
                 hs.append(self.resolve(call, c))
         ps = [self.path(call, r) for r in rels]
-        backward = phase is Phase.BACKWARD
-        new, ap, i = object.__new__, events.append, tracker.op_index
-        real_pop, forget, discard = call.real.pop, tracker.forget, tracker.linked.discard
-        for kind, a, b, c, d, e in code:
-            # Events made as their dataclass makes them, every field set, without its constructor's call
-            # (a third of an event's cost): an event class with another field fails the replay tests.
-            if kind == _OP:
-                i += 1
-                ev = new(OpEvent)
-                ev.index = i
-                ev.step = step
-                ev.phase = phase
-                ev.module = ps[a]
-                ev.op = b
-                ev.call = c
-                ev.outputs = None if d is None else tuple([-1 if k < 0 else hs[k] for k in d])
-                ev.numel = e
-                ev.workspace = 0  # a template's op ran no kernel for real (blocks refuse those)
-                ap(ev)
-            elif kind == _ALLOC:
-                al = new(Alloc)
-                al.storage = hs[a]
-                al.nbytes = b
-                al.resident = False
-                ap(al)
-            elif kind == _FREE:
-                h = hs[a]
-                key = real_pop(h, None)
-                if key is not None:  # a bound storage's real death records nothing more
-                    forget(key, h)
-                discard(h)
-                fr = new(Free)
-                fr.storage = h
-                ap(fr)
-            elif kind == _TAG:
-                tg = new(Tag)
-                tg.storage = hs[a]
-                tg.role = b
-                tg.module = ps[c]
-                ap(tg)
-            elif kind == _ENTER:
-                tracker.enter_module(ps[a], backward=backward)
-            else:  # exit
-                p = ps[a]
-                stack = tracker._backward_stack if backward else tracker._forward_stack
-                for j in range(len(stack) - 1, -1, -1):
-                    if stack[j] == p:
-                        del stack[j]
-                        break
-                ap(ModuleExit(p, b, tuple([hs[k] for k in c])))
-        tracker.op_index = i
-        tracker._step_ran_op = True
+        append_program(tracker, code, hs, ps, phase, call.real)
 
     def make(self, lay: Layout, device: torch.device) -> Tensor:
         shape, stride, offset, dtype, nbytes, _ = lay
@@ -171,8 +120,74 @@ class CallEvents:
         return h
 
 
+def append_program(
+    tracker: ReplayTracker,
+    code: tuple[tuple[Any, ...], ...],
+    hs: Sequence[int],
+    ps: Sequence[str],
+    phase: Phase,
+    real: dict[int, int],
+) -> None:
+    """Append a compiled program's events (instructions of the kinds :data:`OP` .. :data:`EXIT`) with the
+    handles ``hs`` and module paths ``ps`` its instructions index; ``real``: the bound storages (handle
+    -> storage key) whose replayed free is their death (the stand-ins'; the optimizer's replay binds
+    none)."""
+    backward, step = phase is Phase.BACKWARD, tracker.step
+    new, ap, i = object.__new__, tracker.events.append, tracker.op_index
+    real_pop, forget, discard = real.pop, tracker.forget, tracker.linked.discard
+    for kind, a, b, c, d, e in code:
+        # Events made as their dataclass makes them, every field set, without its constructor's call
+        # (a third of an event's cost): an event class with another field fails the replay tests.
+        if kind == OP:
+            i += 1
+            ev = new(OpEvent)
+            ev.index = i
+            ev.step = step
+            ev.phase = phase
+            ev.module = ps[a]
+            ev.op = b
+            ev.call = c
+            ev.outputs = None if d is None else tuple([-1 if k < 0 else hs[k] for k in d])
+            ev.numel = e
+            ev.workspace = 0  # a template's op ran no kernel for real (blocks refuse those)
+            ap(ev)
+        elif kind == ALLOC:
+            al = new(Alloc)
+            al.storage = hs[a]
+            al.nbytes = b
+            al.resident = False
+            ap(al)
+        elif kind == FREE:
+            h = hs[a]
+            key = real_pop(h, None)
+            if key is not None:  # a bound storage's real death records nothing more
+                forget(key, h)
+            discard(h)
+            fr = new(Free)
+            fr.storage = h
+            ap(fr)
+        elif kind == TAG:
+            tg = new(Tag)
+            tg.storage = hs[a]
+            tg.role = b
+            tg.module = ps[c]
+            ap(tg)
+        elif kind == ENTER:
+            tracker.enter_module(ps[a], backward=backward)
+        else:  # exit
+            p = ps[a]
+            stack = tracker._backward_stack if backward else tracker._forward_stack
+            for j in range(len(stack) - 1, -1, -1):
+                if stack[j] == p:
+                    del stack[j]
+                    break
+            ap(ModuleExit(p, b, tuple([hs[k] for k in c])))
+    tracker.op_index = i
+    tracker._step_ran_op = True
+
+
 #: The kinds of a compiled program's instructions, each a 6-tuple: the kind, then its fields, padded.
-_OP, _ALLOC, _FREE, _TAG, _ENTER, _EXIT = range(6)
+OP, ALLOC, FREE, TAG, ENTER, EXIT = range(6)
 
 
 def _compile(program: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Canon], list[str]]:
@@ -193,15 +208,15 @@ def _compile(program: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[Canon], li
         kind = ins[0]
         if kind == "op":
             outs = None if ins[4] is None else tuple(-1 if c is None else name(c) for c in ins[4])
-            code.append((_OP, path(ins[2]), ins[1], ins[3], outs, ins[5]))
+            code.append((OP, path(ins[2]), ins[1], ins[3], outs, ins[5]))
         elif kind == "alloc":
-            code.append((_ALLOC, name(ins[1]), ins[2], None, None, None))
+            code.append((ALLOC, name(ins[1]), ins[2], None, None, None))
         elif kind == "free":
-            code.append((_FREE, name(ins[1]), None, None, None, None))
+            code.append((FREE, name(ins[1]), None, None, None, None))
         elif kind == "tag":
-            code.append((_TAG, name(ins[1]), ins[2], path(ins[3]), None, None))
+            code.append((TAG, name(ins[1]), ins[2], path(ins[3]), None, None))
         elif kind == "enter":
-            code.append((_ENTER, path(ins[1]), None, None, None, None))
+            code.append((ENTER, path(ins[1]), None, None, None, None))
         else:  # exit
-            code.append((_EXIT, path(ins[1]), ins[2], tuple(name(c) for c in ins[3]), None, None))
+            code.append((EXIT, path(ins[1]), ins[2], tuple(name(c) for c in ins[3]), None, None))
     return tuple(code), list(canons), list(rels)
