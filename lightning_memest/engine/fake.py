@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -130,11 +130,8 @@ def fake_tensor(
     stand-in makes, whose allocation is replayed (an op through the fake mode costs 5x more), and a
     model's parameter where it was built on the meta device (``is_param``: ``isinstance(t,
     nn.Parameter)`` holds, as ``FakeTensor(..., _is_param=True)`` makes it)."""
-    if below_modes():  # called below the modes already (a stand-in making its gradients)
+    with below():  # (1 us of the tensor's 6 where it enters: callers making many go below first)
         meta = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
-    else:
-        with torch._C._DisableTorchDispatch():  # (1 us of the tensor's 6: callers making many go below)
-            meta = torch.empty_strided(shape, stride, dtype=dtype, device=_META)
     state = None if FakeTensorConfig.debug else _fresh_state(mode, device)
     if state is None or "_fake_device" not in state or state.get("constant", 0) is not None:
         # (torch before 2.14 names its attributes otherwise, and takes no requires_grad: no parameters)
@@ -173,6 +170,21 @@ def below_modes() -> bool:
     ``torch._C._DisableTorchDispatch``): no op reaches a mode or subclass, and another such block
     (1 us to enter and leave) is not needed."""
     return _EXCLUDED(_PYTHON_KEY)
+
+
+_ALREADY_BELOW: AbstractContextManager[None] = nullcontext()  # reusable: it holds no state
+
+
+def below() -> AbstractContextManager[Any]:
+    """A block below the modes: ``torch._C._DisableTorchDispatch()``, or nothing where the caller is
+    already below them (:func:`below_modes`), so that code called both ways enters at most one.
+
+    >>> with below():
+    ...     with below():
+    ...         below_modes()
+    True
+    """
+    return _ALREADY_BELOW if _EXCLUDED(_PYTHON_KEY) else torch._C._DisableTorchDispatch()
 
 
 def _fresh_state(mode: FakeTensorMode, device: torch.device) -> dict[str, Any]:

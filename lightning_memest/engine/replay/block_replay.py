@@ -366,7 +366,6 @@ class BlockReplay:
         self.out.emit(template.backward, call, Phase.BACKWARD)
         tracker.real_ops.update(template.backward_real)
         assert template.grad_input_layout is not None and dense(template.grad_input_layout)
-        assert call.device is not None
         # Below the modes from here: the tensors made (each of which would enter and leave them) and the
         # gradients' setter (whose checks ask both tensors for their devices: 6 ops) run no op of the step.
         with torch._C._DisableTorchDispatch():

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_memest.engine.events import Alloc, Event, Free, OpEvent, Phase, Tag
-from lightning_memest.engine.fake import below_modes
+from lightning_memest.engine.fake import below
 from lightning_memest.engine.replay.replay_tracker import ReplayMismatch
 from lightning_memest.engine.tracker import Tracker
 
@@ -243,13 +243,10 @@ class Loop:
     def followconstants(self, template: int, consts: tuple[Any, ...]) -> None:
         """A stand-in's step counters (its :meth:`facts`' constants) take the values its template's
         iteration gave them (real tensors: copied below the modes)."""
-        if not below_modes():
-            with torch._C._DisableTorchDispatch():
-                return self.followconstants(template, consts)
-        for lst, c in zip(self.lists, consts, strict=True):
-            if c is not None:
-                c.copy_(lst[template].constant)
-        return None
+        with below():
+            for lst, c in zip(self.lists, consts, strict=True):
+                if c is not None:
+                    c.copy_(lst[template].constant)
 
     def templates(self, run: Run, extra: Callable[[int], Any] | None = None) -> list[Program] | None:
         """Block 1's iterations, equal to block 2's, each outliving storages the next one frees."""
@@ -274,9 +271,7 @@ class Loop:
 
 def equal(a: Tensor, b: Tensor) -> bool:
     """Two constants' values compared as real tensors (below the modes: no op of the step)."""
-    if not below_modes():
-        with torch._C._DisableTorchDispatch():
-            return equal(a, b)
-    if a.shape == b.shape and a.numel() == 1:  # a step counter: as torch.equal, a third of its time
-        return bool(a.item() == b.item())
-    return bool(torch.equal(a, b))
+    with below():
+        if a.shape == b.shape and a.numel() == 1:  # a step counter: as torch.equal, a third of its time
+            return bool(a.item() == b.item())
+        return bool(torch.equal(a, b))

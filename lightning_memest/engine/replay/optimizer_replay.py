@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from lightning_memest.engine.events import Phase
-from lightning_memest.engine.fake import fake_tensor
+from lightning_memest.engine.fake import below, fake_tensor
 from lightning_memest.engine.replay.block_templates import dense
 from lightning_memest.engine.replay.blocks import BlockGroup, Layout, layout_of
 from lightning_memest.engine.replay.optimizer_loops import (
@@ -458,7 +458,7 @@ def _fake_like(mode: Any, v: Tensor, spec: tuple[Any, ...]) -> Tensor:
     stand-in's state: its allocation is replayed)."""
     constant = getattr(v, "constant", None)
     if constant is not None:
-        with torch._C._DisableTorchDispatch():  # (under the caller's: the real tensor's own clone)
+        with below():  # the real tensor's own clone
             constant = constant.clone()
     shape, stride, dtype, device = spec
     return fake_tensor(mode, shape, stride, dtype, device, constant)
