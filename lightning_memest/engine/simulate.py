@@ -31,7 +31,7 @@ from lightning_memest.engine.distributed import (
     strip_fully_shard,
     untracked_sharding_propagation,
 )
-from lightning_memest.engine.events import DataDependent, Event, OpEvent, Phase, PhaseStart, Role
+from lightning_memest.engine.events import Event, OpEvent, Phase, PhaseStart, Role
 from lightning_memest.engine.fake import (
     FakeConverter,
     fake_module,
@@ -270,7 +270,7 @@ def simulate(
     shapes = tuple(
         tuple(tuple(t.shape) for t in iter_tensors(batches[min(i, len(batches) - 1)])) for i in range(steps)
     )
-    reads = sum(1 for e in tracker.events if type(e) is DataDependent)
+    reads = tracker.value_reads
     return Simulation(
         tracker.events,
         target,

@@ -107,6 +107,9 @@ class Tracker:
         rule's kernel): taken by its ``OpEvent``."""
         self.real_ops: Counter[str] = Counter()
         """Ops whose fake kernel failed, run for real on stand-ins (``engine.real_ops``), by op."""
+        self.value_reads = 0
+        """How many ``DataDependent`` events were recorded (``Simulation.value_reads``): counted as they
+        are, not by a walk of every event at the end."""
         self.layout_writes = 0
         """How many ops so far could change a tensor's layout in place (in-place views, ``set_``,
         ``resize_``, ``out=``: the tracking mode counts them), for what caches tensors' layouts."""
@@ -297,6 +300,7 @@ class Tracker:
         """A read answered outside the data-dependent policy, listed with its answer: from values the
         simulation knows (``engine.real_path``: exact), or by a rule of ``engine.sparse``."""
         self.events.append(DataDependent(str(func), self.module, what, exact))
+        self.value_reads += 1
 
     def run_op(
         self,
@@ -318,6 +322,7 @@ class Tracker:
                     module=self.module,
                 ) from exc
             self.events.append(DataDependent(str(func), self.module, ans.assumed, ans.exact))
+            self.value_reads += 1
             if not ans.exact:
                 self._read_guard.count(str(func), self.module, self.step)
             out = ans.value

@@ -106,11 +106,11 @@ def repeated_blocks(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> list[Bloc
     if _global_hooks():
         return []  # a global hook is user code that would run on each child of a real block
     groups: list[BlockGroup] = []
-    taken: list[str] = []
+    taken: set[str] = set()  # the members found: a container inside one is not looked into
     for path, container in model.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
-        if any(path == t or path.startswith(t + ".") for t in taken):
+        if taken and _inside(path, taken):
             continue
         children = list(container.named_children())
         modules = [m for _, m in children]
@@ -123,8 +123,19 @@ def repeated_blocks(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> list[Bloc
                 part = run[a:b]
                 members = tuple(f"{path}.{n}" if path else n for n, _ in part)
                 groups.append(BlockGroup(path, members, tuple(m for _, m in part), period))
-                taken.extend(members)
+                taken.update(members)
     return groups
+
+
+def _inside(path: str, members: set[str]) -> bool:
+    """Whether ``path`` is one of ``members`` or inside one: its prefixes looked up, not the members
+    scanned (a model has thousands of modules and, deep, hundreds of members)."""
+    at = len(path)
+    while at > 0:
+        if path[:at] in members:
+            return True
+        at = path.rfind(".", 0, at)
+    return False
 
 
 def _periodic_runs(
@@ -219,19 +230,29 @@ def _kinds(run: list[tuple[str, nn.Module]]) -> list[tuple[Any, ...]]:
 def _structure(block: nn.Module) -> Any:
     """What makes two blocks alike before running them; ``None`` for a block that cannot be replayed
     (hooks of the user's inside it, on a module or a parameter)."""
+    # One walk of the modules where named_parameters and named_buffers would each take another (the
+    # same order and the same duplicates skipped: asked of every block of every model).
     modules = list(block.named_modules())
-    for _, m in modules:
+    params: list[tuple[Any, ...]] = []
+    buffers: list[tuple[Any, ...]] = []
+    seen: set[int] = set()
+    seen_buffers: set[int] = set()
+    for prefix, m in modules:
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
             return None
-    params = list(block.named_parameters())
-    for _, p in params:
-        if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
-            return None
-    return (
-        tuple((name, type(m)) for name, m in modules),
-        tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in params),
-        tuple((n, tuple(b.shape), b.dtype) for n, b in block.named_buffers()),
-    )
+        for n, p in m._parameters.items():
+            if p is None or id(p) in seen:
+                continue
+            if p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None):
+                return None
+            seen.add(id(p))
+            params.append((f"{prefix}.{n}" if prefix else n, tuple(p.shape), p.dtype, p.requires_grad))
+        for n, b in m._buffers.items():
+            if b is None or id(b) in seen_buffers:
+                continue
+            seen_buffers.add(id(b))
+            buffers.append((f"{prefix}.{n}" if prefix else n, tuple(b.shape), b.dtype))
+    return tuple((name, type(m)) for name, m in modules), tuple(params), tuple(buffers)
 
 
 def relative_path(path: str, block: str) -> str | None:
