@@ -48,7 +48,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_memest.engine.events import ModuleEnter, ModuleExit, Phase
-from lightning_memest.engine.fake import device_of
+from lightning_memest.engine.fake import device_of, quick_device_queries
 from lightning_memest.engine.replay.block_templates import (
     Template,
     backward_into,
@@ -368,7 +368,7 @@ class BlockReplay:
         assert template.grad_input_layout is not None and dense(template.grad_input_layout)
         # Below the modes from here: the tensors made (each of which would enter and leave them) and the
         # gradients' setter (whose checks ask both tensors for their devices: 6 ops) run no op of the step.
-        with torch._C._DisableTorchDispatch():
+        with torch._C._DisableTorchDispatch(), quick_device_queries():
             grad_in = self._grads(template, call, h)
         call.keep = []
         return grad_in
