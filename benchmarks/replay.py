@@ -18,6 +18,7 @@ on the runs before; a run still pays for the collections its own objects cause.
     python benchmarks/replay.py --quick            # a small decoder at depths 8 and 32
     python benchmarks/replay.py --slope-reps 15 --replay-depth 64   # the per-layer cost, 15 times
     python benchmarks/replay.py --layers 32 80 --d-model 8192 --seq 1024
+    python benchmarks/replay.py --llama --heads 32 --kv-heads 32 --ffn 11008 --vocab 32000  # Llama-2-7B
     python benchmarks/replay.py --llama --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256 --seq 512
     python benchmarks/replay.py --llama --layers 8 126 --d-model 16384 --heads 128 --kv-heads 8 \
         --ffn 53248 --vocab 128256 --seq 128 --no-full    # the 405B shape (transformers' Llama)
