@@ -188,7 +188,9 @@ def below() -> AbstractContextManager[Any]:
     return _ALREADY_BELOW if _EXCLUDED(_PYTHON_KEY) else torch._C._DisableTorchDispatch()
 
 
-_TORCH_DISPATCH = FakeTensor.__dict__["__torch_dispatch__"]  # torch's classmethod, as the class holds it
+# torch's classmethod, as the class holds it (every supported torch defines it there; were one not to,
+# quick_device_queries leaves the class alone)
+_TORCH_DISPATCH = FakeTensor.__dict__.get("__torch_dispatch__")
 _PRIM_DEVICE = torch.ops.prim.device.default
 
 
@@ -198,7 +200,7 @@ def _device_first(cls: type, func: Any, types: Any, args: Any = (), kwargs: Any 
     if func is _PRIM_DEVICE:
         t = args[0]
         return _META if t.fake_mode.in_kernel_invocation else t.fake_device
-    return _TORCH_DISPATCH.__func__(cls, func, types, args, {} if kwargs is None else kwargs)
+    return _TORCH_DISPATCH.__func__(cls, func, types, args, {} if kwargs is None else kwargs)  # type: ignore[union-attr]
 
 
 @contextmanager
@@ -215,11 +217,14 @@ def quick_device_queries() -> Iterator[None]:
     >>> p.grad.device, FakeTensor.__dict__["__torch_dispatch__"] is _TORCH_DISPATCH
     (device(type='cpu'), True)
     """
+    if not isinstance(_TORCH_DISPATCH, classmethod):
+        yield
+        return
     FakeTensor.__torch_dispatch__ = classmethod(_device_first)  # type: ignore[assignment,method-assign]
     try:
         yield
     finally:
-        FakeTensor.__torch_dispatch__ = _TORCH_DISPATCH  # type: ignore[method-assign]
+        FakeTensor.__torch_dispatch__ = _TORCH_DISPATCH  # type: ignore[assignment,method-assign]
 
 
 def _fresh_state(mode: FakeTensorMode, device: torch.device) -> dict[str, Any]:
