@@ -295,6 +295,8 @@ def _account(
         phase_marks=tuple(marks.marks),
         replayed_blocks=dict(sim.replayed_blocks) if sim.replayed_blocks else None,
         replay_note=sim.replay_note,
+        compiled=sim.compiled,
+        eval_modules=sim.eval_modules,
     )
 
 

@@ -9,7 +9,8 @@ torch 2.x):
 * ``torch.compiler.is_compiling()`` (and ``torch._dynamo.is_compiling``, ``torch._utils.is_compiling``,
   transformers' ``is_torchdynamo_compiling``): the flag ``torch.compiler._is_compiling_flag``, set
   only while dynamo traces (a ``torch.compile`` or ``torch.export`` session). The simulation runs
-  eagerly (``simulate`` disables dynamo), so it reads ``False``, as a real eager run does.
+  eagerly (``engine.compiled``: dynamo's force_eager stance), so it reads ``False``, as a real eager
+  run does.
 * ``torch.compiler.is_exporting()`` (transformers' ``is_torchdynamo_exporting``): the flag
   ``torch.compiler._is_exporting_flag``, set only by ``torch.export``: ``False`` in both.
 * ``torch.jit.is_tracing()`` (transformers' ``is_jit_tracing``): the JIT tracer's thread-local state

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch._dynamo
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
-from lightning_memest.batches import iter_tensors
+from lightning_memest.batches import iter_tensors, map_tensors
 from lightning_memest.engine.autograd_threads import settle_device_threads
 from lightning_memest.engine.collector import full_collections_paused
+from lightning_memest.engine.compiled import compiled_modules, eager_compiled
 from lightning_memest.engine.cuda_autocast import cuda_autocast_lists
 from lightning_memest.engine.cuda_paths import cuda_code_paths
 from lightning_memest.engine.distributed import (
@@ -119,6 +119,10 @@ class Simulation:
     """Where replay was asked for and alike blocks were found but not replayed, why (the first check
     that failed, per container), or that the step was simulated again without replay and why; ``None``
     otherwise."""
+    compiled: tuple[str, ...] = ()
+    """The modules ``torch.compile`` compiled (``engine.compiled.compiled_modules``): run eagerly here."""
+    eval_modules: tuple[str, ...] = ()
+    """The outermost modules in eval mode when the step began, simulated so (as Lightning runs them)."""
 
     @property
     def is_cuda(self) -> bool:
@@ -179,6 +183,7 @@ def simulate(
     target, what_if = _target_device(model, device)
     start = time.perf_counter()
     modules = ModuleNode.of(model)
+    compiled, in_eval = compiled_modules(model), _eval_modules(model)
     groups = repeated_blocks(model) if replay_blocks else []  # before any hook of ours is on it
     tracker = ReplayTracker(capture=capture) if groups else Tracker(capture=capture)
     mode = TrackingFakeTensorMode(tracker)
@@ -194,9 +199,9 @@ def simulate(
             stack.enter_context(cuda_autocast_lists())  # the CPU's autocast, with CUDA's op lists
         if what_if == "cuda":
             stack.enter_context(cuda_code_paths(tracker))  # CUDA's branches of composite ops
-        # torch.compile'd modules run eagerly here: compiling on fake tensors inside the estimate
-        # crashed the process (a segfault no warning can catch). The estimate is of eager memory.
-        stack.enter_context(torch._dynamo.config.patch(disable=True))
+        # torch.compile'd code runs eagerly here, and is compiled at its first real call as it would
+        # have been (engine/compiled.py). The estimate is of eager memory.
+        stack.enter_context(eager_compiled())
         stack.enter_context(fake_module(model, converter))
         companion_reals = [t for c in companions for _, t, _ in resident_tensors(c)]
         residents = _besides(residents, companion_reals)
@@ -220,7 +225,8 @@ def simulate(
             tracker.add_resident(t, Role.OTHER, "")
         for t, role in kept:
             tracker.add_resident(t, role, "")
-        model.train()
+        # Each module runs in the mode it is in, as Lightning's fit runs it (it keeps the modes the user
+        # set: a from_pretrained model comes in eval, without dropout); no train() here.
         if isinstance(strategy, FSDP):
             strip_fully_shard(model)  # a module that arrived sharded is sharded again, on fake tensors
         if strategy is not None:
@@ -247,7 +253,10 @@ def simulate(
                 if following is not current:
                     tracker.replace_inputs(list(iter_tensors(current)), list(iter_tensors(following)))
                     current = following
-                step.run(current)
+                # Each step gets its batch as a loader hands it, in containers of its own: a step that
+                # writes into its batch's dicts (sentence-transformers' embeddings) leaves those writes
+                # to that step alone. The tensors are the same fake ones (a resident input, its values).
+                step.run(map_tensors(current, _same))
             tracker.end_step()
             # The steps' end: what follows frees the fake model, batch and optimizer (no step's memory).
             tracker.events.append(PhaseStart(steps, Phase.SETUP))
@@ -285,7 +294,22 @@ def simulate(
         replayed_blocks=tuple(sorted(replay.replayed.items())) if replay is not None else (),
         replayed_updates=updates.count if updates is not None else 0,
         replay_note=_replay_note(replay),
+        compiled=compiled,
+        eval_modules=in_eval,
     )
+
+
+def _eval_modules(model: nn.Module) -> tuple[str, ...]:
+    """The outermost modules of ``model`` in eval mode (``("",)``: all of it)."""
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if not module.training and not any(path == p or path.startswith(f"{p}.") or p == "" for p in found):
+            found.append(path)
+    return tuple(found)
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
 
 
 def _replay_note(replay: BlockReplay | None) -> str | None:

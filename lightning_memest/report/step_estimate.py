@@ -243,6 +243,13 @@ class StepEstimate:
     """Why alike blocks were not replayed (the first check that failed, per container), or that the
     step was simulated again without replay and why: where a replayed estimate would have been faster;
     ``None`` otherwise."""
+    compiled: tuple[str, ...] = ()
+    """The modules ``torch.compile`` compiles (their paths; ``""``: the whole model): simulated eagerly,
+    so the figures are the eager step's -- a compiled step's peak differs, in either direction. Left
+    compiled for the real run."""
+    eval_modules: tuple[str, ...] = ()
+    """The outermost modules that were in eval mode, and were simulated so (no dropout, running
+    statistics used): Lightning's fit runs each module in the mode the user left it in."""
 
     def __repr__(self) -> str:
         peaks = ", ".join(f"step {p.step} {p.bytes:,} B" for p in self.peaks)
@@ -276,6 +283,13 @@ class StepEstimate:
             lines.append(f"  with cuDNN's smallest convolution workspaces the step runs in {least} (slower)")
         if self.cudnn_workspace_assumed:
             lines.append(f"  {CUDNN_WORKSPACE_ASSUMED}")
+        if self.compiled:
+            compiled = ", ".join(m or "(root)" for m in self.compiled)
+            lines.append(f"  compiled, simulated eagerly (a compiled step's peak differs): {compiled}")
+        if self.eval_modules and self.loop == "train":
+            lines.append(
+                f"  in eval mode, simulated so: {', '.join(m or '(root)' for m in self.eval_modules)}"
+            )
         if self.data_dependent:
             assumed = sum(r.count for r in self.assumed_reads)
             exact = sum(r.count for r in self.data_dependent) - assumed
@@ -354,6 +368,8 @@ class StepEstimate:
             "real_ops": self.real_ops,
             "replayed_blocks": self.replayed_blocks,
             "replay_note": self.replay_note,
+            "compiled": list(self.compiled),
+            "eval_modules": list(self.eval_modules),
             "phase_marks": [
                 {
                     "step": m.step,

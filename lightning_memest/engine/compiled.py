@@ -1,0 +1,62 @@
+"""``torch.compile`` around a simulation: compiled code runs eagerly inside it, and stays compiled after.
+
+A simulation runs the user's step on fake tensors; compiling it there crashed the process (a segfault
+in inductor no warning can catch), so compiled modules and functions run their eager code inside it.
+How they are made to matters: under ``torch._dynamo.config.patch(disable=True)`` dynamo's frame
+callback still runs and marks each code object it sees as skipped for good (``convert_frame``: "Dynamo
+tracing is disabled", ``apply_to_code``), so a module whose first call was the simulation -- the
+callback estimates before the first real step -- was never compiled afterwards, nor was any other
+module sharing its ``forward``'s code (measured: dynamo's frame counts ``{}``). The ``force_eager``
+stance (``torch.compiler.set_stance``) installs no frame callback at all: nothing is marked, and the
+first real call compiles as it would have.
+
+:func:`compiled_modules` names the modules of a model that are compiled (``torch.compile(module)``'s
+``OptimizedModule``, or ``module.compile()``), for the estimate to say it simulated them eagerly.
+
+Example:
+    >>> import torch
+    >>> from torch._dynamo.utils import counters
+    >>> net = torch.compile(torch.nn.Linear(2, 2), backend="eager")
+    >>> with eager_compiled():
+    ...     _ = net(torch.ones(1, 2))
+    >>> dict(counters["frames"])  # nothing compiled, nothing marked
+    {}
+    >>> _ = net(torch.ones(1, 2))
+    >>> counters["frames"]["ok"]
+    1
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["compiled_modules", "eager_compiled"]
+
+
+@contextlib.contextmanager
+def eager_compiled() -> Iterator[None]:
+    """Inside the block, compiled modules and functions run their eager code, and dynamo neither
+    compiles nor marks anything; its stance is put back on every way out."""
+    with torch.compiler.set_stance("force_eager"):
+        yield
+
+
+def compiled_modules(model: nn.Module) -> tuple[str, ...]:
+    """The dotted paths (``""``: the model itself) of ``model``'s modules that ``torch.compile`` wraps
+    (an ``OptimizedModule``), that were compiled in place (``module.compile()``), or whose forward
+    Lightning compiled (a fit of ``torch.compile(lightning_module)``), outermost only."""
+    found: list[str] = []
+    for path, module in model.named_modules(remove_duplicate=True):
+        if any(path.startswith(f"{p}.") or p == "" for p in found):
+            continue
+        wrapped = type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+        # Lightning's fit of ``torch.compile(lightning_module)`` unwraps it and compiles its forward,
+        # keeping what it did in ``_compiler_ctx`` (lightning/pytorch/utilities/compile.py).
+        lightning = getattr(module, "_compiler_ctx", None) is not None
+        if wrapped or lightning or getattr(module, "_compiled_call_impl", None) is not None:
+            found.append(path)
+    return tuple(found)
