@@ -12,10 +12,12 @@ from torch import nn
 from lightning_memest.accounting import account, capture_filter
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.accounting.kernels.calibrate import calibrate as calibrate_kernels
+from lightning_memest.constants import LOOPS
 from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.inference_step import PlainLoop, loop_runner
 from lightning_memest.engine.simulate import Simulation, simulate, simulate_replaying
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
+from lightning_memest.options import check_choice, check_step_options, check_strategy
 from lightning_memest.report import StepEstimate
 
 __all__ = ["estimate", "estimate_step"]
@@ -42,6 +44,8 @@ def estimate_step(
     The real step code runs ``steps`` times (forward and ``loss_fn``, backward, ``optimizer.step()``,
     ``zero_grad(set_to_none=True)``) on fake tensors of ``device``; every storage's life is followed.
     Nothing real is allocated for the model or the batch, and ``model`` is left exactly as it was.
+    Every option is checked before anything is simulated (``lightning_memest.options``): a value of
+    the wrong type is a ``TypeError``, one out of range a ``ValueError``, each naming the option.
 
     Args:
         model: real, meta-device or fake weights.
@@ -55,7 +59,7 @@ def estimate_step(
             ``cuda`` on a machine without a GPU is a what-if: the step runs on fake CPU tensors with
             CUDA's optimizer defaults and is accounted through the CUDA caching allocator model
             (``StepEstimate.approximate`` is then true).
-        steps: steps to simulate (2: the first step and the steady state).
+        steps: steps to simulate, an int of at least 1 (2: the first step and the steady state).
         strategy: data parallelism, ``DDP(world_size)`` or ``FSDP(world_size)`` from
             ``lightning_memest``: the step runs as rank 0 of it, with PyTorch's own DDP / FSDP2 code on
             a fake process group, and every figure is one rank's. ``loss_fn`` then gets the DDP wrapper
@@ -92,7 +96,12 @@ def estimate_step(
         4239400
         >>> est.steady_state.breakdown.optimizer_state  # exp_avg, exp_avg_sq, and four step counters
         8478816
+        >>> estimate_step(model, torch.randn(32, 1024), replay_blocks="no")  # a flag is True or False
+        Traceback (most recent call last):
+        ...
+        TypeError: replay_blocks must be True or False; got 'no'
     """
+    check_strategy(strategy)  # before StepConfig, which takes any object
     config = StepConfig(loss_fn, optimizer, cast(Precision, precision), strategy)  # validates itself
     return estimate(
         model,
@@ -130,6 +139,7 @@ def estimate(
         >>> est.peak_bytes > 0
         True
     """
+    _check(model, config, device, steps, gpu, calibrate, next_batches, loop, replay_blocks)
     capture = capture_filter(flops=True, calibrate=calibrate)
 
     def run(replay: bool) -> Simulation:
@@ -148,3 +158,32 @@ def estimate(
     sim = simulate_replaying(run, replay_blocks and loop == "train" and config.strategy is None)
     calibration = calibrate_kernels(sim) if calibrate and sim.what_if is None else None
     return account(sim, gpu, calibration, loop=loop)
+
+
+def _check(
+    model: object,
+    config: object,
+    device: object,
+    steps: object,
+    gpu: object,
+    calibrate: object,
+    next_batches: object,
+    loop: object,
+    replay_blocks: object,
+) -> None:
+    """Every option checked before anything is simulated (``lightning_memest.options``)."""
+    if not isinstance(config, StepConfig):
+        raise TypeError(f"config must be a StepConfig; got {type(config).__name__}")
+    check_step_options(
+        model=model,
+        steps=steps,
+        strategy=config.strategy,
+        device=device,
+        gpu=gpu,
+        calibrate=calibrate,
+        replay_blocks=replay_blocks,
+    )
+    # A tensor or a string is no list of batches: iterated, it would be read as one batch per row.
+    if not isinstance(next_batches, Sequence) or isinstance(next_batches, (str, bytes)):
+        raise TypeError(f"next_batches must be a list or tuple of batches; got {type(next_batches).__name__}")
+    check_choice("loop", loop, LOOPS)

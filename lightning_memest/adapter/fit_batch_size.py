@@ -16,8 +16,8 @@ from lightning_memest.batches import batch_size_of
 from lightning_memest.budget import device_budget
 from lightning_memest.errors import MemestError, MemoryBudgetError
 from lightning_memest.measure import module_tensors, resident_bytes
+from lightning_memest.options import check_budget, check_count, check_flag, check_fraction
 from lightning_memest.search import DEFAULT_CAP, BatchSizeResult
-from lightning_memest.sizes import MemoryBudget
 
 __all__ = ["FitBatchSize"]
 
@@ -38,13 +38,18 @@ class FitBatchSize(Callback):
         budget: bytes (or a size such as ``"10GiB"``, or ``"80%"`` of what the device has) for the
             estimated peak; ``None``: what the device has (``lightning_memest.budget.device_budget``,
             with its margin model).
-        margin: the fraction of the budget kept back for safety (0.1: the peak stays within 90 %).
+        margin: the fraction of the budget kept back for safety, a number in [0, 1) (0.1: the peak
+            stays within 90 %).
         attr_name: where the batch size lives (``lightning_getattr``'s names).
-        max_batch_size: the largest batch size considered; never more than the length of the train
-            dataset (as Lightning's ``BatchSizeFinder``; iterable-style datasets have none).
+        max_batch_size: the largest batch size considered, an int of at least 1; never more than the
+            length of the train dataset (as Lightning's ``BatchSizeFinder``; iterable-style datasets
+            have none).
         raise_if_none_fits: when not even batch size 1 fits, raise
             :class:`~lightning_memest.errors.MemoryBudgetError` (stopping ``fit`` before any step);
-            otherwise warn and leave the batch size alone.
+            otherwise (``False``) warn and leave the batch size alone.
+
+    Every argument is checked when the callback is made (``lightning_memest.options``): a value of
+    the wrong type is a ``TypeError``, one out of range a ``ValueError``, each naming the argument.
 
     Under DDP each rank searches with its own device's budget (the estimate is per rank: a rank holds a
     full replica and its own batch), and all ranks take the smallest answer, so the batch size stays the
@@ -57,6 +62,10 @@ class FitBatchSize(Callback):
     Example:
         >>> import lightning.pytorch as pl
         >>> trainer = pl.Trainer(callbacks=[FitBatchSize("2GiB")], max_steps=1)  # doctest: +SKIP
+        >>> FitBatchSize(max_batch_size=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_batch_size must be at least 1; got 0
     """
 
     def __init__(
@@ -68,13 +77,15 @@ class FitBatchSize(Callback):
         max_batch_size: int = DEFAULT_CAP,
         raise_if_none_fits: bool = True,
     ) -> None:
-        if not 0 <= margin < 1:
-            raise ValueError(f"margin must be in [0, 1); got {margin}")
-        self.budget = MemoryBudget.parse(budget) if budget is not None else None
-        self.margin = margin
+        self.budget = check_budget("budget", budget) if budget is not None else None
+        self.margin = check_fraction("margin", margin, " (0.1 keeps a tenth of the budget back)")
+        if not isinstance(attr_name, str):
+            raise TypeError(f"attr_name must be the name of the batch size, a str; got {attr_name!r}")
+        if not attr_name:
+            raise ValueError("attr_name must be the name of the batch size; got ''")
         self.attr_name = attr_name
-        self.max_batch_size = max_batch_size
-        self.raise_if_none_fits = raise_if_none_fits
+        self.max_batch_size = check_count("max_batch_size", max_batch_size)
+        self.raise_if_none_fits = check_flag("raise_if_none_fits", raise_if_none_fits)
         self.result: BatchSizeResult | None = None
 
     def _budget(self, trainer: pl.Trainer, module: pl.LightningModule) -> int:

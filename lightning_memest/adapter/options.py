@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_memest.options import check_budget, check_choice, check_count, check_flag, check_int
 from lightning_memest.sizes import MemoryBudget
 
 __all__ = ["ARGUMENTS", "SUMMARY_KEYWORDS", "check_options"]
@@ -60,26 +61,15 @@ def check_options(
             f"MemEstimate() got an unexpected keyword argument {unknown[0]!r}; its arguments are "
             f"{', '.join((*ARGUMENTS, *SUMMARY_KEYWORDS))}"
         )
-    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < -1:
+    # max_depth as Lightning's ModelSummary takes it; the rest as every entry checks its options.
+    if check_int("max_depth", max_depth) < -1:
         raise ValueError(
             f"max_depth must be an int of -1 (all layers), 0 (no summary) or more; got {max_depth!r}"
         )
     for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False; got {value!r}")
-    if memory_check not in _CHECKS:
-        raise ValueError(f"memory_check must be 'off', 'warn' or 'raise'; got {memory_check!r}")
-    if checkpointing not in ("off", "auto"):
-        raise ValueError(f"checkpointing must be 'off' or 'auto'; got {checkpointing!r}")
-    if margin_bytes is not None and (
-        isinstance(margin_bytes, bool) or not isinstance(margin_bytes, int) or margin_bytes < 0
-    ):
-        raise ValueError(
-            f"memory_margin_bytes must be a whole number of bytes, 0 or more; got {margin_bytes!r}"
-        )
-    if memory_budget is None:
-        return None
-    try:
-        return MemoryBudget.parse(memory_budget)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"memory_budget: {e}") from None
+        check_flag(name, value)
+    check_choice("memory_check", memory_check, _CHECKS)
+    check_choice("checkpointing", checkpointing, ("off", "auto"))
+    if margin_bytes is not None:
+        check_count("memory_margin_bytes", margin_bytes, minimum=0)
+    return None if memory_budget is None else check_budget("memory_budget", memory_budget)

@@ -36,6 +36,7 @@ from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.simulate import Simulation, simulate, simulate_replaying
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
 from lightning_memest.errors import EstimationError, one_line
+from lightning_memest.options import check_budget, check_flag, check_model, check_names, check_step_options
 from lightning_memest.plan.candidates import candidates as find_candidates
 from lightning_memest.plan.checkpointing import KINDS, CheckpointKind, checkpointed
 from lightning_memest.plan.report import CandidateModule, CheckpointPlan, model_ref
@@ -43,7 +44,6 @@ from lightning_memest.plan.solver import solve
 from lightning_memest.plan.windows import Candidate, block_windows
 from lightning_memest.report import StepEstimate
 from lightning_memest.search.sizing import SizedStep
-from lightning_memest.sizes import MemoryBudget
 
 __all__ = ["ATTEMPTS", "plan_checkpointing", "plan_step"]
 
@@ -77,11 +77,31 @@ def plan_checkpointing(
     blocks that still repeat under it, runs of blocks checkpointed alike). The candidates are
     ``model``'s repeated blocks (transformer layers, residual blocks) and the ``modules`` named
     (qualified names); ``kinds`` the checkpointing offered: ``"full"`` and ``"selective"`` (torch's
-    selective checkpointing saving the matrix products, see ``plan.checkpointing``). With
-    ``max_batch_size``, the plan also says the largest batch size that fits with it (a batch-size
-    search over the planned step). ``model`` is left as it was; ``plan.apply(model)`` applies the
-    plan.
+    selective checkpointing saving the matrix products, see ``plan.checkpointing``). ``modules`` and
+    ``kinds`` are lists or tuples of names, never one bare string (``kinds=("full",)``,
+    ``modules=("blocks.0",)``); ``kinds`` names at least one kind. With ``max_batch_size`` (``True``
+    or ``False``), the plan also says the largest batch size that fits with it (a batch-size search
+    over the planned step). ``model`` is left as it was; ``plan.apply(model)`` applies the plan.
+    Every option is checked before anything is simulated, as ``estimate_step``'s are.
+
+    Example:
+        >>> import torch
+        >>> plan_checkpointing(torch.nn.Linear(4, 4), torch.randn(2, 4), "1MiB", kinds="full")
+        Traceback (most recent call last):
+        ...
+        TypeError: kinds must be a collection of names, not one string: kinds=('full',); got 'full'
     """
+    check_step_options(
+        model=model,
+        steps=steps,
+        strategy=strategy,
+        device=device,
+        gpu=gpu,
+        calibrate=calibrate,
+        replay_blocks=replay_blocks,
+    )
+    # Checked here too, before the step is set up; as tuples, so that an iterator is read once.
+    _, modules, kinds = _check_plan_options(model, budget, modules, kinds, max_batch_size)
     config = StepConfig(loss_fn, optimizer, cast(Precision, precision), strategy)
 
     def run(b: Any, *, flops: bool, calibrate: bool, next_batches: Sequence[Any] = ()) -> Simulation:
@@ -117,13 +137,10 @@ def plan_step(
     modules of ``model`` -- the module ``step`` simulates, whose qualified names the plan uses (see the
     module docstring)."""
     began = time.perf_counter()
-    budget_bytes = _budget(budget)
-    for kind in kinds:
-        if kind not in KINDS:
-            raise ValueError(f"a checkpoint kind is one of {', '.join(KINDS)}; got {kind!r}")
+    budget_bytes, modules, kinds = _check_plan_options(model, budget, modules, kinds, max_batch_size)
+    paths = find_candidates(model, modules)  # a module named that is not there: said before simulating
     simulations = 0 if step.has_trace else 1
     sim, calibration, first = step.traced()
-    paths = find_candidates(model, modules)
     windows = block_windows(sim, paths, calibration)
     costs = [_costs(first, c.path, kinds) for c in windows.candidates]
     figures = tuple(_figures(model, c, cost) for c, cost in zip(windows.candidates, costs, strict=True))
@@ -205,11 +222,21 @@ def plan_step(
     return result(best[0], best[1], floor.peak_bytes)
 
 
-def _budget(budget: int | str) -> int:
-    parsed = MemoryBudget.parse(budget)
+def _check_plan_options(
+    model: object, budget: object, modules: object, kinds: object, max_batch_size: object
+) -> tuple[int, tuple[str, ...], tuple[CheckpointKind, ...]]:
+    """The options of a plan checked (``lightning_memest.options``): the budget in bytes, the modules
+    and kinds named, each once."""
+    check_model(model)
+    parsed = check_budget("budget", budget)
     if parsed.bytes is None:
-        raise ValueError("a plan's budget is bytes or a size ('24GiB'), not a share of a device")
-    return parsed.bytes
+        raise ValueError(
+            f"budget must be bytes or a size ('24GiB') for a plan, not a share of a device; got {budget!r}"
+        )
+    names = check_names("modules", modules)
+    chosen = cast(tuple[CheckpointKind, ...], check_names("kinds", kinds, known=KINDS, nonempty=True))
+    check_flag("max_batch_size", max_batch_size)
+    return parsed.bytes, names, chosen
 
 
 def _costs(estimate: StepEstimate, path: str, kinds: Sequence[CheckpointKind]) -> dict[CheckpointKind, int]:

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from lightning_memest.errors import MemestError
+from lightning_memest.options import check_model
 from lightning_memest.plan.checkpointing import CheckpointKind, CheckpointPolicy, apply_checkpointing
 from lightning_memest.report import StepEstimate, format_bytes, format_share, human_flops
 
@@ -85,7 +86,8 @@ class CheckpointPlan:
 
     def apply(self, model: nn.Module | None = None) -> nn.Module:
         """Checkpoint the planned modules of ``model`` (default: the model planned for) in place, with
-        torch's ``checkpoint_wrapper`` (state-dict keys unchanged); returns the model.
+        torch's ``checkpoint_wrapper`` (state-dict keys unchanged); returns the model. ``model`` is an
+        ``nn.Module`` or ``None`` (a ``TypeError`` otherwise).
 
         Example:
             >>> import torch
@@ -97,7 +99,7 @@ class CheckpointPlan:
             >>> plan.fits, type(plan.apply()[0]).__name__
             (True, 'CheckpointWrapper')
         """  # noqa: E501
-        target = model if model is not None else self._model()
+        target = check_model(model) if model is not None else self._model()
         if target is None:
             raise MemestError("the model this plan was made for is gone: pass the model to apply()")
         apply_checkpointing(target, self.modules)

@@ -48,6 +48,7 @@ from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.simulate import Simulation, simulate, simulate_replaying
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
 from lightning_memest.errors import EstimationError, one_line
+from lightning_memest.options import check_callable, check_count, check_step_options
 from lightning_memest.report import format_bytes
 from lightning_memest.search.calibration import CalibratedPeaks, SearchCalibration
 from lightning_memest.search.worker import ProbeModel, Worker, can_fork, start_worker
@@ -405,7 +406,9 @@ def max_batch_size(
     are calibrated in full and the other probes fitted from them (:func:`search_steps`).
     ``replay_blocks`` (default): each probe replays repeated blocks as ``estimate_step`` does: the
     same peaks, in less time on deep models; a probe whose blocks turn out not to repeat is simulated
-    again without; ``False``: every block of every probe simulated.
+    again without; ``False``: every block of every probe simulated. Every option is checked before
+    the first probe, as ``estimate_step``'s are: ``budget_bytes``, ``start``, ``cap`` and ``workers``
+    are ints of at least 1.
 
     Example:
         >>> import torch
@@ -413,8 +416,27 @@ def max_batch_size(
         ...                    2**24, optimizer=torch.optim.SGD)
         >>> r.max_batch_size, r.peak_bytes_at_max <= 2**24
         (1096, True)
+        >>> max_batch_size(torch.nn.Linear(4, 4), lambda n: torch.empty(n, 4, device="meta"), 2**20, cap=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: cap must be at least 1; got 0
     """
-
+    check_step_options(
+        model=model,
+        steps=steps,
+        strategy=strategy,
+        device=device,
+        gpu=gpu,
+        calibrate=calibrate,
+        replay_blocks=replay_blocks,
+    )
+    check_callable("make_batch", make_batch, "make_batch(n) -> a batch of size n")
+    for name, value in (("budget_bytes", budget_bytes), ("start", start), ("cap", cap)):
+        check_count(name, value)
+    if workers is not None:
+        check_count("workers", workers)
+    if progress is not None:
+        check_callable("progress", progress, "progress(batch_size, peak_bytes)")
     config = StepConfig(loss_fn, optimizer, cast(Precision, precision), strategy)  # validates itself
     what_if: list[bool] = []  # whether the probes run here were CUDA what-ifs
     # estimate_step(...).peak_bytes, without FLOPs or the report: a probe only needs the peak.
