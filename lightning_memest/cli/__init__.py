@@ -51,7 +51,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from lightning_memest.cli.parser import PROG, build_parser, settings
+from lightning_memest.cli.parser import PROG, build_parser
+from lightning_memest.cli.settings import settings as checked_settings
 from lightning_memest.errors import MemestError, one_line
 
 __all__ = ["main"]
@@ -82,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         from lightning_memest.cli.commands import COMMANDS  # the library, torch with it
 
-        COMMANDS[args.command](settings(args), sys.stdout)
+        COMMANDS[args.command](checked_settings(args), sys.stdout)
         sys.stdout.flush()
     except BrokenPipeError:
         # The reader went away (`memest ... | head`): nothing left to say, as any Unix tool.

@@ -1,5 +1,5 @@
 """The ``memest`` commands: estimate, measure, compare, profile, max-batch-size -- each reads its
-checked settings (``cli/parser.py``), runs the library, and prints a table or one JSON value.
+checked settings (``cli/settings.py``), runs the library, and prints a table or one JSON value.
 
 Every JSON value says whether its figures are ``approximate`` (a CUDA what-if on a machine without a
 GPU; a measurement never is). Long work shows its progress on stderr where a person watches
@@ -14,8 +14,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from lightning_memest.cases import case_batch_maker, estimate_case, measure_case, resolve_model
-from lightning_memest.cli.parser import PROG, Settings
+from lightning_memest.cli.parser import PROG
 from lightning_memest.cli.progress import Progress, watched
+from lightning_memest.cli.settings import Settings
 from lightning_memest.errors import MemestError, SpecError, one_line
 from lightning_memest.fx import NODE_ORDERS, profile_graph
 from lightning_memest.report import (

@@ -1,0 +1,193 @@
+"""What the flags of a ``memest`` command ask for, checked together once: a bad combination (``--vocab``
+without ``--tokens``, ``--bucket-cap-mb`` without ``--strategy ddp``) is one :class:`SpecError` before
+any model is built. :func:`settings` imports torch when it runs, not when this module is imported.
+
+Example:
+    >>> import argparse
+    >>> _model_kwargs('{"in_features": 8}')
+    {'in_features': 8}
+    >>> _strategy(argparse.Namespace(strategy=None, world_size=4))
+    Traceback (most recent call last):
+    ...
+    lightning_memest.errors.SpecError: --world-size goes with --strategy ddp|fsdp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from lightning_memest.errors import SpecError
+
+if TYPE_CHECKING:
+    import torch
+
+    from lightning_memest.accounting.cuda_device import CudaDevice
+    from lightning_memest.cases import Case, InputSpec
+    from lightning_memest.engine.distributed import Strategy
+
+__all__ = ["MAX_JSON_DEPTH", "Settings", "settings"]
+
+#: How deep --model-kwargs may nest arrays and objects: far beyond any model's keyword arguments, well
+#: within Python's recursion limit (which the JSON parser, and code walking the values, run into).
+MAX_JSON_DEPTH = 100
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the flags of a command ask for, checked: the input, the model's keyword arguments, the
+    strategy and the GPU (``None`` where not asked for)."""
+
+    args: argparse.Namespace
+    inputs: InputSpec
+    model_kwargs: dict[str, Any]
+    strategy: Strategy | None
+    gpu: CudaDevice | None
+
+    def build(self, spec: str) -> Case:
+        """The case of model ``spec`` with these settings (a new, identically seeded model each time)."""
+        args = self.args
+        from lightning_memest.cases import build_case
+
+        return build_case(
+            spec,
+            self.inputs,
+            model_kwargs=self.model_kwargs,
+            loss=args.loss,
+            optimizer=args.optimizer,
+            precision=args.precision,
+        )
+
+    def describe(self) -> str:
+        """The settings in one line, for the heading of a command's output."""
+        args = self.args
+        text = f"{self.inputs.describe()}, {args.loss}, {args.optimizer}, {args.precision}, {args.device}"
+        if self.strategy is not None:
+            text += f", {args.strategy} on {args.world_size} ranks, per rank"
+        return text
+
+
+def settings(args: argparse.Namespace) -> Settings:
+    """Check the flags of ``args`` together; a :class:`SpecError` names what is wrong."""
+    import torch
+
+    if getattr(args, "calibrate", False) and args.device == "cuda" and not torch.cuda.is_available():
+        raise SpecError("--calibrate measures this machine's kernels: there is no GPU here for --device cuda")
+    return Settings(args, _input_spec(args), _model_kwargs(args.model_kwargs), _strategy(args), _gpu(args))
+
+
+def _input_spec(args: argparse.Namespace) -> InputSpec:
+    if args.tokens is not None and args.vocab is None:
+        raise SpecError("--tokens needs --vocab")
+    if args.vocab is not None and args.tokens is None:
+        raise SpecError("--vocab goes with --tokens")
+    from lightning_memest.cases import InputSpec, parse_shape
+
+    shape = parse_shape(args.input_shape) if args.input_shape is not None else None
+    return InputSpec(batch_size=args.batch_size, shape=shape, tokens=args.tokens, vocab=args.vocab)
+
+
+def _model_kwargs(text: str | None) -> dict[str, Any]:
+    if text is None:
+        return {}
+    too_deep = SpecError(
+        f"--model-kwargs is nested too deep: at most {MAX_JSON_DEPTH} levels of arrays and objects"
+    )
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"--model-kwargs is not valid JSON ({e})") from None
+    except RecursionError:  # the parser's own limit (about 1000 levels)
+        raise too_deep from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise too_deep
+    if not isinstance(value, dict):
+        raise SpecError(f"--model-kwargs must be a JSON object; got {type(value).__name__}")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests lists and dicts (a scalar: 0), without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def _gpu(args: argparse.Namespace) -> CudaDevice | None:
+    capability = getattr(args, "cuda_capability", None)
+    context = getattr(args, "cuda_context", None)
+    if args.device != "cuda":
+        if capability is not None or context is not None or getattr(args, "gpu_memory", None) is not None:
+            raise SpecError("--cuda-capability, --cuda-context and --gpu-memory go with --device cuda")
+        return None
+    import dataclasses
+
+    import torch
+
+    from lightning_memest.accounting.cuda_device import CudaDevice
+
+    local = torch.cuda.is_available()
+    if capability is None and context is None:
+        return None if local else CudaDevice()
+    gpu = CudaDevice.local(torch.device("cuda")) if local else CudaDevice()
+    if capability is not None:
+        gpu = dataclasses.replace(gpu, capability=capability)
+    if context is not None:
+        gpu = dataclasses.replace(gpu, context_bytes=context, context_given=True)
+    return gpu
+
+
+#: The flags of one strategy only: given with another (or none), they would be ignored.
+_STRATEGY_FLAGS = {
+    "ddp": (("bucket_cap_mb", "--bucket-cap-mb"), ("gradient_as_bucket_view", "--gradient-as-bucket-view")),
+    "fsdp": (
+        ("fsdp_units", "--fsdp-units"),
+        ("fsdp_param_dtype", "--fsdp-param-dtype"),
+        ("fsdp_reduce_dtype", "--fsdp-reduce-dtype"),
+        ("fsdp_keep_unsharded", "--fsdp-keep-unsharded"),
+    ),
+}
+
+
+def _strategy(args: argparse.Namespace) -> Strategy | None:
+    chosen = getattr(args, "strategy", None)
+    for strategy, flags in _STRATEGY_FLAGS.items():
+        for dest, flag in flags:
+            if strategy != chosen and getattr(args, dest, None) not in (None, False):
+                raise SpecError(f"{flag} goes with --strategy {strategy}")
+    if chosen is None:
+        if getattr(args, "world_size", None) is not None:
+            raise SpecError("--world-size goes with --strategy ddp|fsdp")
+        return None
+    if args.world_size is None:
+        raise SpecError(f"--strategy {args.strategy} needs --world-size N")
+    from lightning_memest.engine.distributed import DDP, FSDP
+
+    if args.strategy == "ddp":
+        return DDP(
+            args.world_size,
+            bucket_cap_mb=25.0 if args.bucket_cap_mb is None else args.bucket_cap_mb,
+            gradient_as_bucket_view=args.gradient_as_bucket_view,
+        )
+    units = tuple(u.strip() for u in args.fsdp_units.split(",") if u.strip()) if args.fsdp_units else None
+    return FSDP(
+        args.world_size,
+        units=units,
+        reshard_after_forward=False if args.fsdp_keep_unsharded else None,
+        param_dtype=_dtype(args.fsdp_param_dtype),
+        reduce_dtype=_dtype(args.fsdp_reduce_dtype),
+    )
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    return None if name is None else dtypes[name]
