@@ -164,7 +164,8 @@ class CustomFunctionModule(Classifier):
 
 
 class CompiledModule(Classifier):
-    """A torch.compile'd submodule: compiling on fake tensors inside the estimate crashed the process."""
+    """A torch.compile'd submodule: compiling on fake tensors inside the estimate crashed the process;
+    the simulation runs it eagerly, and the fit compiles it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -271,8 +272,13 @@ def test_hostile_modules_train_with_at_most_a_warning(
     fit(module, tmp_path, [memest], **trainer_kwargs)
     assert memest.estimate is not None, "the estimate should succeed for this module"
     assert len(memest.measured) == 2
-    for step in memest.measured:
-        assert abs(step.error_pct) <= 2.0, step
+    if module_cls is CompiledModule:
+        # It stays compiled (tests/test_step_as_run.py): the real steps are inductor's, the estimate is
+        # the eager step's, and says so (docs/known-limits.md: compiled steps are not simulated).
+        assert memest.estimate.compiled == ("net",)
+    else:
+        for step in memest.measured:
+            assert abs(step.error_pct) <= 2.0, step
     if module_cls is CachingModule:
         assert type(module.scale) is Tensor  # the real cache, not a fake one
         assert memest.estimate.data_dependent is not None

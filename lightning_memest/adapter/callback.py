@@ -19,7 +19,7 @@ from typing_extensions import override
 from lightning_memest.adapter.budget_check import BudgetCheck
 from lightning_memest.adapter.ddp_buckets import UnseenBuckets
 from lightning_memest.adapter.describe import SetupCost, describe_checks
-from lightning_memest.adapter.fit_advice import apply_plan, training_check
+from lightning_memest.adapter.fit_advice import apply_plan, replan, training_check
 from lightning_memest.adapter.fit_batches import FitBatches, resident_at_start
 from lightning_memest.adapter.gloo_exit import settle_gloo_workers_at_exit
 from lightning_memest.adapter.guard import Guard, attempt
@@ -38,7 +38,7 @@ from lightning_memest.batches import iter_tensors
 from lightning_memest.budget import PrecheckResult
 from lightning_memest.measure import LiveTensorScan, StepProbe
 from lightning_memest.plan import CheckpointPlan
-from lightning_memest.report import MeasuredStep, StepEstimate
+from lightning_memest.report import MeasuredStep, Peak, StepEstimate
 
 __all__ = ["CHECKED_STEPS", "MeasuredStep", "MemEstimate", "SetupCost"]
 
@@ -155,6 +155,7 @@ class MemEstimate(LoopHooks, ModelSummary):
         self._unseen: UnseenBuckets | None = None
         self._measure_failure: str | None = None  # why this rank's measurement stopped, if it did
         self._steps_started = 0
+        self._against: list[Peak] = []  # what each measured step is checked against
         self._guard = Guard()
         self._batches = FitBatches(calibrate, replay_blocks)
         self._summarized = False
@@ -200,6 +201,7 @@ class MemEstimate(LoopHooks, ModelSummary):
         self._summarized, self._trying, self._guard = False, True, Guard()
         self._close_probe()  # an earlier fit that ended inside its measured steps
         self._steps_started, self._measure_failure = 0, None
+        self._against = []
         self._fit_log = FitLog()
         self._loops.reset()
         self._safely("logging to TensorBoard", lambda: self._fit_log.hparams(trainer))  # before Lightning's
@@ -335,9 +337,11 @@ class MemEstimate(LoopHooks, ModelSummary):
             ),
         )
         if both is not None:
+            both = self._replanned(trainer, pl_module, both)
             self.estimate = both
             self._note(both)
             self._log_estimate(trainer, both)
+            self._check_later(trainer, pl_module, both)
 
     def _later_estimate(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
@@ -349,14 +353,36 @@ class MemEstimate(LoopHooks, ModelSummary):
         )
         if larger is None:
             return
+        larger = self._replanned(trainer, pl_module, larger)
         self._note(larger)
         scalars = estimate_scalars(larger.peak_bytes, flops=larger.flops)
         log_scalars(trainer.loggers, scalars, logging_step(trainer))
+        self._check_later(trainer, pl_module, larger)
+
+    def _replanned(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, estimate: StepEstimate
+    ) -> StepEstimate:
+        """``checkpointing="auto"``: where a later batch's estimate is over the budget, the plan made
+        again for it and applied before it runs (``fit_advice.replan``); the estimate the batch then
+        runs with."""
+        if self.checkpointing != "auto":
+            return estimate
+        plan = replan(trainer, pl_module, self._batches, self._budget(), self._guard, estimate, self.plan)
+        if plan is None:
+            return estimate
+        self.plan = plan
+        return plan.estimate
+
+    def _check_later(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, estimate: StepEstimate
+    ) -> None:
+        """A later batch's estimate against the budget, before its step: on the rank that has the batch
+        (under DDP a warning, as ``BudgetCheck.act`` says)."""
         self._budget().act(
             trainer,
             self._guard,
-            larger,
-            lambda: self._training_fits(trainer, pl_module, larger),
+            estimate,
+            lambda: self._training_fits(trainer, pl_module, estimate),
             everywhere=False,
         )
 
@@ -369,6 +395,10 @@ class MemEstimate(LoopHooks, ModelSummary):
                 os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop chatter
             self._probe = StepProbe(device)
         probe = self._probe
+        # The estimate this step is checked against, as it stands when the step starts (a later plan,
+        # made for a larger batch, is not what an earlier step ran with).
+        if self.estimate is not None:
+            self._against.append(self.estimate.peaks[min(self._steps_started, len(self.estimate.peaks) - 1)])
         self._steps_started += 1
         if self._measure_failure is not None:
             return  # failed before: nothing measured, and _finish still agrees with the other ranks
@@ -439,7 +469,7 @@ class MemEstimate(LoopHooks, ModelSummary):
             return
         # Each measured step against the estimate of the same step (a fit shorter than the checked
         # steps measures fewer). Every rank has as many results: the ranks reduce alike.
-        for result, estimated in zip(results, estimate.peaks, strict=False):
+        for result, estimated in zip(results, self._against, strict=False):
             peak, reserved = max_over_ranks(trainer, result)
             measured = MeasuredStep(estimated.step, peak, reserved, estimated.bytes)
             self.measured.append(measured)

@@ -29,12 +29,13 @@ from lightning_memest.adapter.guard import Guard
 from lightning_memest.advice import Option, advise
 from lightning_memest.budget import PrecheckResult
 from lightning_memest.engine.distributed import FSDP
-from lightning_memest.plan import CheckpointPlan, plan_step
+from lightning_memest.plan import CheckpointPlan, apply_checkpointing, plan_step
+from lightning_memest.plan.checkpointing import remove_checkpointing
 from lightning_memest.report import StepEstimate
 from lightning_memest.search import BatchSizeResult
 from lightning_memest.search.sizing import SizedStep
 
-__all__ = ["apply_plan", "auto_plan", "training_check"]
+__all__ = ["apply_plan", "auto_plan", "replan", "training_check"]
 
 
 def _checked(batches: FitBatches) -> tuple[SizedStep, FitSetup, list[torch.Tensor]]:
@@ -129,4 +130,40 @@ def apply_plan(
     plan.apply(module)
     if trainer.is_global_zero:
         rank_zero_info(f"MemEstimate: {plan.describe()}; applied (checkpointing='auto')")
+    return plan
+
+
+def replan(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    batches: FitBatches,
+    budget: BudgetCheck,
+    guard: Guard,
+    estimate: StepEstimate,
+    applied: CheckpointPlan | None,
+) -> CheckpointPlan | None:
+    """``checkpointing="auto"`` at a later batch whose ``estimate`` (the latest of ``batches``, made with
+    ``applied`` in place) is over the budget: the module's plan made again for this batch, on the module
+    as the user built it (``applied`` taken off first), and applied in its place before the batch runs;
+    the new plan, or ``None`` where the batch fits, or no plan fits it (``applied`` then stays, and the
+    pre-check says what else would fit). One process only: under several ranks a later batch is one
+    rank's, and the module must stay alike on all of them (the pre-check warns instead)."""
+    if trainer.world_size > 1:
+        return None
+    step, _, _ = _checked(batches)
+    budget_bytes = budget.budget_bytes(estimate, trainer.strategy.root_device)
+    if estimate.runnable_peak_bytes <= budget_bytes:
+        return None
+    before = remove_checkpointing(module, applied.modules if applied is not None else ())
+    try:
+        plan = guard.safely(
+            "planning activation checkpointing", lambda: plan_step(step.fresh(), module, budget_bytes)
+        )
+    finally:
+        apply_checkpointing(module, before)  # the module trains as it did until a new plan replaces it
+    if plan is None or not (plan.fits and plan.modules):
+        return None
+    remove_checkpointing(module, before)
+    plan.apply(module)
+    rank_zero_info(f"MemEstimate: a larger batch; {plan.describe()}; applied (checkpointing='auto')")
     return plan

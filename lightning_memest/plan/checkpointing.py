@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Literal
 
@@ -51,6 +51,7 @@ __all__ = [
     "CheckpointPolicy",
     "apply_checkpointing",
     "checkpointed",
+    "remove_checkpointing",
     "saved_by_selective",
     "wrap",
 ]
@@ -131,6 +132,33 @@ def apply_checkpointing(model: nn.Module, kinds: Mapping[str, CheckpointKind]) -
         setattr(parent, name, wrap(module, kind))
         replaced[path] = module
     return replaced
+
+
+def remove_checkpointing(model: nn.Module, paths: Iterable[str]) -> dict[str, CheckpointKind]:
+    """Unwrap the checkpointed modules at ``paths`` of ``model`` in place (the module torch's wrapper
+    holds goes back to its parent: the same parameters, the same state-dict keys); the kinds they had,
+    by path, for :func:`apply_checkpointing` to put back. A path not wrapped is left as it is.
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    >>> _ = apply_checkpointing(model, {"1": "selective"})
+    >>> remove_checkpointing(model, ["1"]), type(model[1]).__name__
+    ({'1': 'selective'}, 'Linear')
+    """
+    removed: dict[str, CheckpointKind] = {}
+    for path in paths:
+        parent, name = _parent(model, path)
+        module = getattr(parent, name)
+        if isinstance(module, CheckpointWrapper):
+            setattr(parent, name, module._checkpoint_wrapped_module)
+            removed[path] = "selective" if _is_selective(module) else "full"
+    return removed
+
+
+def _is_selective(wrapper: CheckpointWrapper) -> bool:
+    # wrap() gives selective checkpointing a context_fn; torch keeps it among the checkpoint kwargs.
+    fn = getattr(wrapper, "checkpoint_fn", None)
+    keywords = getattr(fn, "keywords", {}) if isinstance(fn, functools.partial) else {}
+    return keywords.get("context_fn") is not None
 
 
 @contextmanager

@@ -83,8 +83,10 @@ class SizedStep:
 
     @property
     def batch_size(self) -> int:
-        """The batch size of the batch in hand (``batches.batch_size_of``)."""
-        return batch_size_of(self.batch)
+        """The batch size of the batch in hand (``batches.batch_size_of``); with :attr:`next_batches`,
+        the largest of the steps' batches (a later, larger batch is what the step must fit, and what a
+        smaller size is said against)."""
+        return max(batch_size_of(b) for b in (self.batch, *self.next_batches))
 
     def _batches_at(self, n: int | None) -> tuple[Any, list[Any]]:
         if n is None:  # the batches in hand, whatever they hold (one need not have a batch size)
