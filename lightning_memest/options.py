@@ -11,6 +11,8 @@ The rules, the same at every entry (``estimate_step``, ``max_batch_size``, ``pla
 * a collection of names (``kinds``, ``modules``) is a list, tuple or set of strings, never a bare
   string (it would be read one character at a time): ``kinds=("full",)``.
 
+It imports nothing of the package but ``sizes`` when it is imported, so that every layer may use it.
+
 Example:
     >>> check_flag("replay_blocks", "no")
     Traceback (most recent call last):
@@ -32,14 +34,15 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import nn
 
-from lightning_memest.accounting.cuda_device import CudaDevice
-from lightning_memest.engine.distributed import DDP, FSDP, Strategy
 from lightning_memest.sizes import MemoryBudget
+
+if TYPE_CHECKING:
+    from lightning_memest.engine.distributed import Strategy
 
 __all__ = [
     "check_budget",
@@ -177,6 +180,9 @@ def check_strategy(value: object) -> Strategy | None:
     ...
     TypeError: strategy must be lightning_memest.DDP(world_size) or lightning_memest.FSDP(world_size), or None; got the string 'ddp': pass strategy=DDP(world_size=N)
     """  # noqa: E501
+    # Imported here: this module is a leaf that any layer, the engine's own included, may import.
+    from lightning_memest.engine.distributed import DDP, FSDP
+
     if value is None or isinstance(value, (DDP, FSDP)):
         return value
     wanted = "strategy must be lightning_memest.DDP(world_size) or lightning_memest.FSDP(world_size), or None"
@@ -233,6 +239,8 @@ def check_step_options(
     check_count("steps", steps)
     check_strategy(strategy)
     check_device(device)
+    from lightning_memest.accounting.cuda_device import CudaDevice  # see check_strategy
+
     if gpu is not None and not isinstance(gpu, CudaDevice):
         raise TypeError(
             f"gpu must be a CudaDevice (lightning_memest.accounting.cuda_device) or None; got {_got(gpu)}"
