@@ -164,17 +164,24 @@ def _stack(make: Callable[[int], nn.Module], n: int = 8) -> nn.Sequential:
 
 
 class _Planned(_Scaled):
-    """A block that looks its kind up at forward time, in a plan all blocks share (as a config list
-    read by layer index would be): nothing before running tells the blocks apart."""
+    """A block that looks its kind up at forward time, in a plan all blocks share, keyed by the block
+    itself (as a schedule kept outside the model would be): nothing the block holds tells it apart --
+    its attributes are alike, the plan one object -- and it writes nothing on itself."""
 
-    def __init__(self, index: int, plan: set[int]) -> None:
+    def __init__(self, plan: dict[int, bool]) -> None:
         super().__init__()
-        self.index = index
         self.plan = plan
 
     def forward(self, x: Tensor) -> Tensor:
-        self.twice = self.index in self.plan
-        return super().forward(x)
+        y = torch.relu(self.fc(x))
+        return y * 2 if self.plan.get(id(self), False) else y
+
+
+def _planned(at: int) -> nn.Sequential:
+    plan: dict[int, bool] = {}
+    model = _stack(lambda i: _Planned(plan))
+    plan[id(model[at])] = True
+    return model
 
 
 def test_on_by_default_off_by_the_flag_and_without_repeats(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -184,8 +191,7 @@ def test_on_by_default_off_by_the_flag_and_without_repeats(monkeypatch: pytest.M
     # Blocks 1 and 2 differ (in what they do, not in what they are): no block is replayed, nothing
     # run twice.
     runs = _replay_flags(monkeypatch)
-    plan = {2}
-    model = _stack(lambda i: _Planned(i, plan))
+    model = _planned(2)
     est = estimate_step(model, batch)
     assert runs == [True] and est.replayed_blocks is None
     assert est.replay_note == "the model: the forwards differ"
@@ -196,8 +202,7 @@ def test_a_mismatch_after_replay_simulates_again(monkeypatch: pytest.MonkeyPatch
     """Block N-2 (the backward's template, run after the stand-ins' forwards) differs: the replayed
     run is thrown away and the step simulated without replay."""
     runs = _replay_flags(monkeypatch)
-    plan = {6}
-    model = _stack(lambda i: _Planned(i, plan))
+    model = _planned(6)
     est = estimate_step(model, torch.randn(4, 16), optimizer=torch.optim.SGD, replay_blocks=True)
     assert runs == [True, False]
     assert est.replayed_blocks is None

@@ -63,6 +63,7 @@ from lightning_memest.engine.replay.blocks import (
 )
 from lightning_memest.engine.replay.replay_tracker import ReplayMismatch, ReplayTracker
 from lightning_memest.engine.replay.stand_in_events import Call, CallEvents
+from lightning_memest.engine.replay.watched import Attributes, watching
 from lightning_memest.engine.tracker import Tracker, plain_layout
 
 __all__ = ["ReplayMismatch", "ReplayTracker", "block_replay"]
@@ -219,7 +220,16 @@ class BlockReplay:
         )
         state.records[k] = record
         start, real = len(tracker.events), Counter(tracker.real_ops)
-        out = original(*args, **kwargs)
+        # What the forward does with the block's own state decides whether another block would run the
+        # same events (engine/replay/watched.py): a number no two blocks share, used; an attribute set.
+        with watching(module, state.group.watched) as used:
+            held = Attributes(module)
+            out = original(*args, **kwargs)
+            written = held.written()
+        if used:
+            record.fail(f"its forward uses {used[0]}, which differs from block to block")
+        if written is not None:
+            record.fail(f"its forward sets its own {written}")
         record.forward = tracker.events[start:]
         record.forward_real = tracker.real_ops - real
         out_leaves, out_spec = tree_flatten(out)

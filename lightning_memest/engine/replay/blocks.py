@@ -24,6 +24,8 @@ Example:
 from __future__ import annotations
 
 import enum
+import functools
+import types
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -92,13 +94,19 @@ class BlockGroup:
     members: tuple[str, ...]
     modules: tuple[nn.Module, ...]
     period: int = 1
+    watched: tuple[tuple[str, str], ...] = ()
+    """The numbers on the blocks (module path within a block, attribute) that differ in every block:
+    watched while a template block runs (``engine.replay.watched``)."""
 
     def phases(self) -> list[BlockGroup]:
         """One group of period 1 per kind: the members ``r, r + period, ...`` for each ``r``."""
         if self.period == 1:
             return [self]
         p = self.period
-        return [BlockGroup(self.path, self.members[r::p], self.modules[r::p]) for r in range(p)]
+        return [
+            BlockGroup(self.path, self.members[r::p], self.modules[r::p], watched=self.watched)
+            for r in range(p)
+        ]
 
 
 def repeated_blocks(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> list[BlockGroup]:
@@ -118,11 +126,12 @@ def repeated_blocks(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> list[Bloc
         for start, stop, _ in _periodic_runs(structures, modules, min_blocks):
             run = children[start:stop]
             # Refined by kind: blocks alike in structure that differ in what they are (see _kinds).
-            keys = [(structures[start + k], kind) for k, kind in enumerate(_kinds(run))]
+            kinds, numbers = _kinds(run)
+            keys = [(structures[start + k], kind) for k, kind in enumerate(kinds)]
             for a, b, period in _periodic_runs(keys, modules[start:stop], min_blocks):
                 part = run[a:b]
                 members = tuple(f"{path}.{n}" if path else n for n, _ in part)
-                groups.append(BlockGroup(path, members, tuple(m for _, m in part), period))
+                groups.append(BlockGroup(path, members, tuple(m for _, m in part), period, numbers))
                 taken.update(members)
     return groups
 
@@ -191,40 +200,76 @@ _MODULE_STATE = frozenset({"training"})  # (private names, "_parameters" and the
 _MISSING = object()  # an attribute a block does not have
 
 
-def _plain(value: Any) -> bool:
-    if isinstance(value, (tuple, list)):  # torchvision's Swin keeps its window shift as a list
-        return all(_plain(v) for v in value)
-    return isinstance(value, _PLAIN)
+def _compared(value: Any, depth: int = 0) -> Any:
+    """What of an attribute's value two blocks are compared by: a plain value itself (with its type);
+    a container of them (a config dict, a list of window sizes) by its contents; a tensor kept as a
+    plain attribute by its layout (what an op reading it uses, the signatures compare); a
+    ``functools.partial`` and a small object of the user's by what they hold (each layer's own
+    ``partial(gelu, approximate="tanh")``, its own copy of a config); anything else -- a function, a
+    class, a large object -- by identity: shared by the blocks, or told apart."""
+    if isinstance(value, _PLAIN):
+        return (type(value), value)
+    if isinstance(value, Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.requires_grad)
+    if depth >= _DEPTH:
+        return ("object", id(value))
+    if isinstance(value, (tuple, list, set, frozenset)) and len(value) <= _ITEMS:
+        items = [_compared(v, depth + 1) for v in value]
+        return (type(value), tuple(sorted(items, key=repr) if isinstance(value, (set, frozenset)) else items))
+    if isinstance(value, dict) and len(value) <= _ITEMS:
+        return (type(value), tuple(sorted((repr(k), _compared(v, depth + 1)) for k, v in value.items())))
+    if isinstance(value, functools.partial):
+        return (
+            "partial",
+            _compared(value.func, depth + 1),
+            _compared(value.args, depth + 1),
+            _compared(value.keywords, depth + 1),
+        )
+    held = getattr(value, "__dict__", None)
+    if (
+        isinstance(held, dict)
+        and len(held) <= _ITEMS
+        and not isinstance(value, (type, types.FunctionType, types.MethodType, types.ModuleType, nn.Module))
+    ):
+        return ("object", type(value), _compared(held, depth + 1))
+    return ("object", id(value))
+
+
+_DEPTH, _ITEMS = 4, 64  # past these, an attribute's value is compared by identity
 
 
 def _attributes(block: nn.Module) -> dict[tuple[str, str], Any]:
-    """The plain-valued attributes of every module in ``block``, keyed by (module path, name)."""
+    """The attributes of every module in ``block`` but its children (see :func:`_compared`), keyed by
+    (module path, name)."""
     found: dict[tuple[str, str], Any] = {}
     for path, m in block.named_modules():
         for name, value in vars(m).items():
-            if name not in _MODULE_STATE and not name.startswith("_") and _plain(value):
+            if name not in _MODULE_STATE and not name.startswith("_") and not isinstance(value, nn.Module):
                 found[(path, name)] = value
     return found
 
 
-def _kinds(run: list[tuple[str, nn.Module]]) -> list[tuple[Any, ...]]:
-    """Each block's *kind* along ``run``: the values of the plain attributes that vary along it and
-    repeat values (``use_rope`` off every fourth layer, a sliding window every other one, alternating
-    window shifts), which steer a forward the structure does not show: blocks of one kind never stand
-    in for another's. An attribute whose every value is a distinct number (a layer's index, a
-    stochastic-depth rate growing with depth) names an instance, not a kind: blocks 1 and 2 already
-    differ in it, and the replay's signature checks compare what it changes."""
+def _kinds(run: list[tuple[str, nn.Module]]) -> tuple[list[tuple[Any, ...]], tuple[tuple[str, str], ...]]:
+    """Each block's *kind* along ``run``: the values of the attributes that vary along it and repeat
+    values (``use_rope`` off every fourth layer, a sliding window every other one, alternating window
+    shifts, a config dict that marks one layer wide), which steer a forward the structure does not
+    show: blocks of one kind never stand in for another's. And the attributes whose every value is a
+    distinct number (a layer's index, a stochastic-depth rate growing with depth): they name an
+    instance, not a kind, and are *watched* -- a template block's forward that uses one keeps the
+    group from being replayed (``engine.replay.watched``)."""
     seen = [_attributes(m) for _, m in run]
     kinds: list[tuple[str, str]] = []
+    numbers: list[tuple[str, str]] = []
     for key in sorted(set().union(*seen)):
         values = [a.get(key, _MISSING) for a in seen]
-        if all(v == values[0] and type(v) is type(values[0]) for v in values):
+        compared = [_compared(v) for v in values]
+        if all(c == compared[0] for c in compared):
             continue
-        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-        if numbers and len(set(values)) == len(values):
+        if all(type(v) in (int, float) for v in values) and len(set(compared)) == len(values):
+            numbers.append(key)
             continue
         kinds.append(key)
-    return [tuple((type(attrs.get(k)), attrs.get(k, _MISSING)) for k in kinds) for attrs in seen]
+    return [tuple(_compared(attrs.get(k, _MISSING)) for k in kinds) for attrs in seen], tuple(numbers)
 
 
 def _structure(block: nn.Module) -> Any:
