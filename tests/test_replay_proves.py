@@ -64,6 +64,26 @@ class _SelfCaching(nn.Module):
         return y
 
 
+class _DropPath(nn.Module):
+    """Stochastic depth as timm writes it: a rate growing with depth, decided on (``== 0``) and computed
+    with (``1 - p``), the same path in every block but the first."""
+
+    def __init__(self, idx: int) -> None:
+        super().__init__()
+        self.drop_prob = 0.1 * idx / 7
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.relu(self.fc(x))
+        if self.drop_prob == 0.0 or not self.training:
+            return x + y
+        keep = 1 - self.drop_prob
+        mask = y.new_empty(y.shape[0], 1).bernoulli_(keep)
+        if keep > 0.0:
+            mask.div_(keep)
+        return x + y * mask
+
+
 class _IndexUnused(nn.Module):
     """A layer index kept and never used by the forward (transformers' ``layer_idx`` without a cache)."""
 
@@ -101,7 +121,7 @@ def _check(model: nn.Module, *, replayed: bool) -> StepEstimate:
 @pytest.mark.parametrize(
     ("make", "why"),
     [
-        (_IndexBranch, "uses idx, which differs from block to block"),
+        (_IndexBranch, "block 1.4 does not match its template: its forward decides otherwise"),
         (_ConfigBranch, None),  # block 4 is of another kind: too few alike on either side of it
         (_SelfCaching, "sets its own last"),
     ],
@@ -132,4 +152,11 @@ def test_a_config_dict_splits_the_stack_into_kinds() -> None:
 
 def test_blocks_alike_in_all_they_use_are_replayed() -> None:
     est = _check(_stack(_IndexUnused), replayed=True)
+    assert est.replayed_blocks == {"1": 3}
+
+
+def test_blocks_deciding_alike_on_what_differs_are_replayed() -> None:
+    """A stochastic-depth rate differs in every block; each block's forward decides on it (and on
+    ``1 - p``) as the templates did: replayed, equal to the full simulation."""
+    est = _check(_stack(_DropPath), replayed=True)
     assert est.replayed_blocks == {"1": 3}

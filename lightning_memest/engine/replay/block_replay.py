@@ -63,7 +63,7 @@ from lightning_memest.engine.replay.blocks import (
 )
 from lightning_memest.engine.replay.replay_tracker import ReplayMismatch, ReplayTracker
 from lightning_memest.engine.replay.stand_in_events import Call, CallEvents
-from lightning_memest.engine.replay.watched import Attributes, watching
+from lightning_memest.engine.replay.watched import Attributes, Uses, values_of, watching
 from lightning_memest.engine.tracker import Tracker, plain_layout
 
 __all__ = ["ReplayMismatch", "ReplayTracker", "block_replay"]
@@ -120,9 +120,19 @@ class _Group:
         self.next = 0
         self.records: dict[int, BlockRecord] = {}
         self.template: Template | None = None
+        self.uses: dict[int, Uses] = {}  # what each recorded block's forward did with its watched attributes
         self.off: str | None = None
         self.replayed = 0
         self.backward_ready = False
+
+    def same_path(self, module: nn.Module) -> bool:
+        """Whether a block's forward decides as the template's did on the attributes no two blocks share
+        (``engine.replay.watched``): each decision of block 1's, made again with this block's values."""
+        watched = self.group.watched
+        if not watched:
+            return True
+        uses = self.uses.get(1)
+        return uses is not None and uses.hold(values_of(module, watched))
 
     def recorded(self, k: int) -> bool:
         return k in (1, 2, self.n - 2)
@@ -171,12 +181,16 @@ class BlockReplay:
             template = self._template(state)
             if template is not None:
                 leaves, spec = tree_flatten((args, kwargs))
-                if _input_key(leaves, spec) == template.record.input_key:
+                same_path = state.same_path(module)
+                if same_path and _input_key(leaves, spec) == template.record.input_key:
                     state.replayed += 1
                     return self._stand_in(state, template, module, leaves)
+            else:
+                same_path = True
+            why = "inputs differ" if same_path else "its forward decides otherwise on what differs by block"
             if state.replayed:
-                raise ReplayMismatch(f"block {state.group.members[k]} does not match its template")
-            state.off = state.off or "inputs differ"
+                raise ReplayMismatch(f"block {state.group.members[k]} does not match its template: {why}")
+            state.off = state.off or why
             return original(*args, **kwargs)
         if state.recorded(k):
             return self._recorded(state, k, module, original, args, kwargs)
@@ -222,12 +236,13 @@ class BlockReplay:
         start, real = len(tracker.events), Counter(tracker.real_ops)
         # What the forward does with the block's own state decides whether another block would run the
         # same events (engine/replay/watched.py): a number no two blocks share, used; an attribute set.
-        with watching(module, state.group.watched) as used:
+        with watching(module, state.group.watched) as uses:
             held = Attributes(module)
             out = original(*args, **kwargs)
             written = held.written()
-        if used:
-            record.fail(f"its forward uses {used[0]}, which differs from block to block")
+        state.uses[k] = uses
+        if uses.doubt is not None:
+            record.fail(uses.doubt)
         if written is not None:
             record.fail(f"its forward sets its own {written}")
         record.forward = tracker.events[start:]

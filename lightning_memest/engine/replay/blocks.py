@@ -44,6 +44,7 @@ from lightning_memest.engine.events import (
     Phase,
     Tag,
 )
+from lightning_memest.engine.replay.watched import WATCHABLE
 
 __all__ = [
     "MAX_PERIOD",
@@ -95,7 +96,7 @@ class BlockGroup:
     modules: tuple[nn.Module, ...]
     period: int = 1
     watched: tuple[tuple[str, str], ...] = ()
-    """The numbers on the blocks (module path within a block, attribute) that differ in every block:
+    """The attributes of the blocks (module path within a block, name) that differ in every block:
     watched while a template block runs (``engine.replay.watched``)."""
 
     def phases(self) -> list[BlockGroup]:
@@ -253,10 +254,10 @@ def _kinds(run: list[tuple[str, nn.Module]]) -> tuple[list[tuple[Any, ...]], tup
     """Each block's *kind* along ``run``: the values of the attributes that vary along it and repeat
     values (``use_rope`` off every fourth layer, a sliding window every other one, alternating window
     shifts, a config dict that marks one layer wide), which steer a forward the structure does not
-    show: blocks of one kind never stand in for another's. And the attributes whose every value is a
-    distinct number (a layer's index, a stochastic-depth rate growing with depth): they name an
-    instance, not a kind, and are *watched* -- a template block's forward that uses one keeps the
-    group from being replayed (``engine.replay.watched``)."""
+    show: blocks of one kind never stand in for another's. And the attributes whose every value is
+    distinct (a layer's index, a stochastic-depth rate growing with depth, a dict naming the layer):
+    they name an instance, not a kind, and are *watched* -- a template block's forward that uses one
+    keeps the group from being replayed (``engine.replay.watched``)."""
     seen = [_attributes(m) for _, m in run]
     kinds: list[tuple[str, str]] = []
     numbers: list[tuple[str, str]] = []
@@ -265,7 +266,7 @@ def _kinds(run: list[tuple[str, nn.Module]]) -> tuple[list[tuple[Any, ...]], tup
         compared = [_compared(v) for v in values]
         if all(c == compared[0] for c in compared):
             continue
-        if all(type(v) in (int, float) for v in values) and len(set(compared)) == len(values):
+        if all(type(v) in WATCHABLE for v in values) and len(set(compared)) == len(values):
             numbers.append(key)
             continue
         kinds.append(key)
