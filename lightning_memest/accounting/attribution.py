@@ -158,14 +158,14 @@ def module_tree(
 
 
 class DataDependentReads(Observer):
-    """Each distinct read of a fake tensor's value (op, module, what was answered, whether exactly) and
-    how often."""
+    """Each distinct read of a fake tensor's value (op, module, what was answered, whether exactly or
+    as an upper bound) and how often."""
 
     def __init__(self) -> None:
-        self.counts: Counter[tuple[str, str, str, bool]] = Counter()
+        self.counts: Counter[tuple[str, str, str, bool, bool]] = Counter()
 
     def on_data_dependent(self, e: DataDependent) -> None:
-        self.counts[(e.op, e.module, e.assumed, e.exact)] += 1
+        self.counts[(e.op, e.module, e.assumed, e.exact, e.bound)] += 1
 
     @property
     def reads(self) -> tuple[DataDependentRead, ...] | None:
@@ -173,8 +173,8 @@ class DataDependentReads(Observer):
         if not self.counts:
             return None
         return tuple(
-            DataDependentRead(op, module, assumed, n, exact)
-            for (op, module, assumed, exact), n in self.counts.items()
+            DataDependentRead(op, module, assumed, n, exact, bound)
+            for (op, module, assumed, exact, bound), n in self.counts.items()
         )
 
 

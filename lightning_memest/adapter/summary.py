@@ -200,6 +200,8 @@ def footer_items(estimate: StepEstimate) -> list[tuple[str, str]]:
         items.append(
             ("Tensor values read (assumed, see MemEstimate.estimate)", str(len(estimate.assumed_reads)))
         )
+    if estimate.lowering_reads:  # assumed answers that are no upper bound: where the estimate may be low
+        items.append(("Of which could have lowered the estimate", str(len(estimate.lowering_reads))))
     if estimate.smallest_workspace_peaks is not None:
         items.append(
             ("Runs in, with cuDNN's smallest workspaces (slower)", format_bytes(estimate.runnable_peak_bytes))

@@ -248,12 +248,14 @@ class ModuleExit:
 @dataclass(slots=True, unsafe_hash=True)  # not frozen: see the note before OpEvent
 class DataDependent:
     """A value of a fake tensor was read; the engine answered ``assumed`` (see ``data_dependent``):
-    the real value where ``exact`` (a value the simulation knows, or the only one possible)."""
+    the real value where ``exact`` (a value the simulation knows, or the only one possible); else an
+    upper bound of the real one where ``bound``, or an answer the real values could exceed."""
 
     op: str
     module: str
     assumed: str
     exact: bool = False
+    bound: bool = False
 
 
 @dataclass(slots=True, unsafe_hash=True)  # not frozen: see the note before OpEvent

@@ -296,10 +296,13 @@ class Tracker:
         self.events.append(ModuleExit(path, Phase.BACKWARD if backward else Phase.FORWARD, handles))
 
     # --- ops ------------------------------------------------------------------------------------
-    def value_read(self, func: torch._ops.OpOverload, what: str, exact: bool = True) -> None:
+    def value_read(
+        self, func: torch._ops.OpOverload, what: str, exact: bool = True, *, bound: bool = False
+    ) -> None:
         """A read answered outside the data-dependent policy, listed with its answer: from values the
-        simulation knows (``engine.real_path``: exact), or by a rule of ``engine.sparse``."""
-        self.events.append(DataDependent(str(func), self.module, what, exact))
+        simulation knows (``engine.real_path``: exact), or by a rule of ``engine.sparse`` (where not
+        exact, an upper bound: ``bound``)."""
+        self.events.append(DataDependent(str(func), self.module, what, exact, bound))
         self.value_reads += 1
 
     def run_op(
@@ -321,7 +324,7 @@ class Tracker:
                     op=str(func),
                     module=self.module,
                 ) from exc
-            self.events.append(DataDependent(str(func), self.module, ans.assumed, ans.exact))
+            self.events.append(DataDependent(str(func), self.module, ans.assumed, ans.exact, ans.bound))
             self.value_reads += 1
             if not ans.exact:
                 self._read_guard.count(str(func), self.module, self.step)

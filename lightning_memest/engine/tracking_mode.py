@@ -152,7 +152,8 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
             self._depth += 1
             try:
                 if rule is not None:  # a sparse tensor's entries, which the fake kernel loses
-                    note = functools.partial(self.tracker.value_read, func)
+                    # (a rule that cannot know the entries takes the most: every index distinct)
+                    note = functools.partial(self.tracker.value_read, func, bound=True)
                     backward = self.tracker.phase is Phase.BACKWARD
                     out, self.tracker.workspace = rule(func, args, kwargs, note, backward)
                     return out

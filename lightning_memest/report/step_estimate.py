@@ -127,11 +127,24 @@ class DataDependentRead:
     it (see ``engine.values.data_dependent``)."""
     count: int
     exact: bool = False
+    bound: bool = False
+    """Where not :attr:`exact`, whether the answer is an upper bound of the real one (the largest output
+    the inputs allow: memory is not under-estimated there); otherwise the real values could make the
+    step need more than the estimate (:attr:`may_lower`)."""
+
+    @property
+    def may_lower(self) -> bool:
+        """Whether the real values could have made the step need more memory than estimated: an assumed
+        answer that is no upper bound (a neutral ``.item()``, a branch, a loop count, a guessed count)."""
+        return not (self.exact or self.bound)
 
     def describe(self) -> str:
         """The read in a user's words: ``.item()``-style scalar reads are named as such."""
         what = "a scalar read (.item(), bool(), int())" if "_local_scalar_dense" in self.op else self.op
-        answer = f"exact, {self.assumed}" if self.exact else f"assumed {self.assumed}"
+        if self.exact:
+            answer = f"exact, {self.assumed}"
+        else:
+            answer = f"assumed {self.assumed}, {'an upper bound' if self.bound else 'could be low'}"
         return f"{what} in {self.module or '(root)'} x{self.count}: {answer}"
 
 
@@ -293,9 +306,11 @@ class StepEstimate:
         if self.data_dependent:
             assumed = sum(r.count for r in self.assumed_reads)
             exact = sum(r.count for r in self.data_dependent) - assumed
+            lowering = sum(r.count for r in self.lowering_reads)
+            could = f"; {lowering} could have lowered the estimate (no upper bound)" if lowering else ""
             lines.append(
                 f"  the step read tensor values {exact + assumed} time(s): {exact} exact (known values), "
-                f"{assumed} assumed (see .data_dependent)"
+                f"{assumed} assumed (see .data_dependent){could}"
             )
         return "\n".join(lines)
 
@@ -303,6 +318,12 @@ class StepEstimate:
     def assumed_reads(self) -> tuple[DataDependentRead, ...]:
         """The reads of :attr:`data_dependent` whose answer was assumed, not known (``()``: none)."""
         return tuple(r for r in self.data_dependent or () if not r.exact)
+
+    @property
+    def lowering_reads(self) -> tuple[DataDependentRead, ...]:
+        """The assumed reads that could have lowered the estimate: answered neither exactly nor with an
+        upper bound (``DataDependentRead.may_lower``; ``()``: none)."""
+        return tuple(r for r in self.data_dependent or () if r.may_lower)
 
     @property
     def device_bytes(self) -> int | None:

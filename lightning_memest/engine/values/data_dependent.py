@@ -32,6 +32,10 @@ Plain ``FakeTensorMode`` raises on each (PyTorch tags such ops ``dynamic_output_
 A loop whose exit hangs on assumed reads could run forever where the real one ends: reads repeated at
 one line of code are capped (``engine.values.read_guard``), and the estimate fails there with the line named.
 
+Each answer says whether it is an **upper bound** (``Answer.bound``: the largest output the inputs allow,
+or the real values' size) or could be below the real run's (a neutral or assumed scalar read, a guessed
+count): the report says how many of the second kind there were, as where the estimate could be low.
+
 Ops whose fake kernel sizes the output from the arguments alone are listed in
 :data:`FAKE_KERNEL_SUFFICES`. Any other data-dependent op raises ``EstimationError`` naming it.
 
@@ -93,6 +97,10 @@ class Answer:
     exact: bool = False
     """Whether the answer is the real run's (its values were known): then a loop repeating the read
     repeats as the real one does, and no cap applies (``engine.values.read_guard``)."""
+    bound: bool = False
+    """Where not exact, whether the answer is an upper bound of the real run's (the largest output the
+    inputs allow): memory is not under-estimated there. Otherwise (a neutral or assumed scalar read, a
+    guessed count) the real values could make the step need more than the estimate."""
 
 
 @dataclass(frozen=True)
@@ -193,7 +201,7 @@ def answer(
             return None
         results = ans.value if isinstance(ans.value, tuple) else (ans.value,)
         outs = tuple(kwargs[name].resize_(r.shape) for name, r in zip(out_names, results, strict=True))
-        return Answer(outs if len(outs) > 1 else outs[0], ans.assumed)
+        return Answer(outs if len(outs) > 1 else outs[0], ans.assumed, ans.exact, ans.bound)
     return _answer_call(Call(op, args, kwargs, read))
 
 
@@ -320,13 +328,13 @@ def _all_nonzero(call: Call) -> Answer:
     shared = None if known else selection_share(t)
     if shared is not None:
         return Answer(out, f"{n} of {t.numel()} nonzero (an even share of {shared} values selected apart)")
-    return Answer(out, _said(n, t.numel(), f"every element nonzero ({n} of {n})", "nonzero"))
+    return Answer(out, _said(n, t.numel(), f"every element nonzero ({n} of {n})", "nonzero"), bound=True)
 
 
 @POLICIES.register(aten.nonzero_numpy)
 def _all_nonzero_numpy(call: Call) -> Answer:
     ans = _all_nonzero(call)
-    return Answer(tuple(ans.value.unbind(1)), ans.assumed)
+    return Answer(tuple(ans.value.unbind(1)), ans.assumed, bound=ans.bound)
 
 
 def _set_count(mask: Tensor, call: Call, shape: Sequence[int] | None = None) -> tuple[int, bool]:
@@ -353,8 +361,9 @@ def _masked_select(call: Call) -> Answer:
     n, known = _set_count(mask, call, shape)
     out = torch.empty((n,), dtype=t.dtype, device=t.device)
     if known:
-        return Answer(out, f"the mask's real values ({n} selected)")
-    return Answer(out, _said(n, math.prod(shape), f"every element selected ({n})", "selected"))
+        return Answer(out, f"the mask's real values ({n} selected)", bound=True)
+    every = f"every element selected ({n})"
+    return Answer(out, _said(n, math.prod(shape), every, "selected"), bound=True)
 
 
 @POLICIES.register(aten.index.Tensor)
@@ -376,7 +385,7 @@ def _bool_index(call: Call) -> Answer:
     text = f"the mask's real values ({selected} set)"
     if not all_known:
         text = _said(selected, size, f"every element of the mask set ({selected})", "of the mask set")
-    return Answer(call.op(t, expanded), text)
+    return Answer(call.op(t, expanded), text, bound=True)
 
 
 @POLICIES.register(
@@ -408,7 +417,7 @@ def _all_distinct(call: Call) -> Answer:
     outs.append(torch.empty(inverse_shape if inverse or both else (0,), **long))
     if len(call.op._schema.returns) == 3:
         outs.append(torch.empty((n,) if counts or both else (0,), **long))
-    return Answer(tuple(outs), text)
+    return Answer(tuple(outs), text, bound=True)
 
 
 @POLICIES.register(aten.bincount)
@@ -417,19 +426,20 @@ def _bincount(call: Call) -> Answer:
     # indices below ``minlength``.
     t, weights, minlength = call["self"], call["weights"], int(call["minlength"])
     possible = call.values_in(t)
+    bound = True  # where the values possible say how many bins there can be
     if t.numel() == 0:
         n, text = minlength, f"no values ({minlength} bins)"
     elif possible is not None and possible.numel():
         largest = int_values(possible)[-1]
         n, text = max(minlength, largest + 1), f"values up to {largest} (of those possible)"
     elif minlength > 0:
-        n, text = minlength, f"values below minlength ({minlength})"
+        n, text, bound = minlength, f"values below minlength ({minlength})", False
     else:
-        n, text = t.numel(), f"values below the element count ({t.numel()})"
+        n, text, bound = t.numel(), f"values below the element count ({t.numel()})", False
     dtype = torch.long
     if weights is not None:
         dtype = torch.float32 if weights.dtype == torch.float32 else torch.float64
-    return Answer(torch.empty((n,), dtype=dtype, device=t.device), text)
+    return Answer(torch.empty((n,), dtype=dtype, device=t.device), text, bound=bound)
 
 
 @POLICIES.register(aten.repeat_interleave.Tensor)
@@ -445,15 +455,15 @@ def _repeat_once(call: Call) -> Answer:
 @POLICIES.register(aten.one_hot)
 def _one_hot(call: Call) -> Answer:
     t, classes = call["self"], int(call["num_classes"])
-    text = f"{classes} classes"
+    text, bound = f"{classes} classes", True  # given, or the largest value possible + 1
     possible = call.values_in(t)
     if classes < 0 and possible is not None and possible.numel():
         classes = int_values(possible)[-1] + 1
         text = f"{classes} classes (the largest possible value + 1)"
     elif classes < 0:
         classes = max(t.numel(), 1)
-        text = f"{classes} classes (as many as elements)"
-    return Answer(torch.empty((*t.shape, classes), dtype=torch.long, device=t.device), text)
+        text, bound = f"{classes} classes (as many as elements)", False
+    return Answer(torch.empty((*t.shape, classes), dtype=torch.long, device=t.device), text, bound=bound)
 
 
 @POLICIES.register(aten._pack_padded_sequence)
@@ -486,7 +496,7 @@ def _pack_padded(call: Call) -> Answer:
         fake.constant = constant
         batch_sizes._memest_fake = fake  # type: ignore[attr-defined]
     packed = torch.empty((sum(real_lengths), *data.shape[2:]), dtype=data.dtype, device=data.device)
-    return Answer((packed, batch_sizes), text)
+    return Answer((packed, batch_sizes), text, bound=True)
 
 
 @POLICIES.register(aten._ctc_loss)
@@ -505,7 +515,8 @@ def _ctc_loss(call: Call) -> Answer:
         text = f"targets up to {longest} long"
     steps, batch = log_probs.shape[0], log_probs.shape[1]
     kw: dict[str, Any] = {"dtype": log_probs.dtype, "device": log_probs.device}
-    return Answer((torch.empty((batch,), **kw), torch.empty((batch, steps, 2 * longest + 1), **kw)), text)
+    alpha = torch.empty((batch, steps, 2 * longest + 1), **kw)
+    return Answer((torch.empty((batch,), **kw), alpha), text, bound=True)
 
 
 @POLICIES.register(aten.linalg_lstsq)
@@ -527,7 +538,7 @@ def _lstsq(call: Call) -> Answer:
     residuals = torch.empty((*batch, k) if m > n and driver != "gelsy" else (0,), dtype=real, **kw)
     rank = torch.empty(batch if driver != "gels" else (0,), dtype=torch.long, **kw)
     singular = torch.empty((*batch, min(m, n)) if driver in ("gelsd", "gelss") else (0,), dtype=real, **kw)
-    return Answer((solution, residuals, rank, singular), "full rank")
+    return Answer((solution, residuals, rank, singular), "full rank", bound=True)
 
 
 @POLICIES.register(aten._padded_dense_to_jagged_forward)
@@ -539,12 +550,14 @@ def _padded_to_jagged(call: Call) -> Answer:
     else:
         rows = dense.shape[0] * dense.shape[1]
         text = f"no padding ({rows} rows)"
-    return Answer(torch.empty((rows, *dense.shape[2:]), dtype=dense.dtype, device=dense.device), text)
+    jagged = torch.empty((rows, *dense.shape[2:]), dtype=dense.dtype, device=dense.device)
+    return Answer(jagged, text, bound=True)
 
 
 def _keep_every_box(call: Call) -> Answer:
     n = call.args[0].shape[0]
-    return Answer(torch.empty((n,), dtype=torch.long, device=call.args[0].device), f"every box kept ({n})")
+    kept = torch.empty((n,), dtype=torch.long, device=call.args[0].device)
+    return Answer(kept, f"every box kept ({n})", bound=True)
 
 
 _BY_NAME["torchvision::nms"] = _keep_every_box
