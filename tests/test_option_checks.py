@@ -191,8 +191,7 @@ def test_estimate_step_refuses_a_bad_option(
 @pytest.mark.usefixtures("no_simulation")
 def test_estimate_checks_its_config_and_the_strategy_in_it() -> None:
     _refused(lambda: estimate(NET, BATCH, "32-true"), TypeError, "config")  # type: ignore[arg-type]
-    config = StepConfig(strategy="ddp")  # type: ignore[arg-type]  # StepConfig (the engine's) takes it
-    _refused(lambda: estimate(NET, BATCH, config), TypeError, "strategy")
+    _refused(lambda: StepConfig(strategy="ddp"), TypeError, "strategy")  # type: ignore[arg-type]
     _refused(lambda: estimate(NET, BATCH, StepConfig(), replay_blocks="no"), TypeError, "replay_blocks")
 
 
@@ -284,3 +283,18 @@ def test_valid_calls_still_estimate_and_search() -> None:
     found = max_batch_size(nn.Linear(4, 4), _make, 2**16, start=2, cap=4, workers=1, strategy=None)
     assert found.max_batch_size == 4 and found.capped
     assert DDP(2).world_size == 2  # a strategy object is what strategy= takes
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "option"),
+    [
+        (lambda: DDP("2"), TypeError, "world_size"),  # type: ignore[arg-type]
+        (lambda: DDP(2.5), TypeError, "world_size"),  # type: ignore[arg-type]
+        (lambda: DDP(True), TypeError, "world_size"),
+        (lambda: DDP(0), ValueError, "world_size"),
+        (lambda: DDP(2, rank="0"), TypeError, "rank"),  # type: ignore[arg-type]
+    ],
+    ids=["ddp-str", "ddp-float", "ddp-bool", "ddp-0", "rank-str"],
+)
+def test_a_strategy_checks_its_ranks(make: Callable[[], object], error: type[Exception], option: str) -> None:
+    _refused(make, error, option)

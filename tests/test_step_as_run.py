@@ -7,6 +7,7 @@ frame counts) or against the peak the callback measured with the CPU profiler's 
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import lightning.pytorch as pl
@@ -202,3 +203,53 @@ def test_a_step_writing_into_its_batch_leaves_the_next_step_a_fresh_batch() -> N
     assert len(memest.measured) == 2
     for step in memest.measured:
         assert step.estimated_bytes == step.peak_bytes, step  # the second step read +24 KiB
+
+
+# --- how often the user's code runs (docs/callback.md) ------------------------------------------------------
+_CALLS: collections.Counter[str] = collections.Counter()  # outside the module: a simulation puts the
+# module's own containers back as they were, a counter kept there would not count its calls
+
+
+class _Counting(_FrozenEncoderHead):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        _CALLS["training_step"] += 1
+        return super().training_step(batch, batch_idx)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> Tensor:
+        _CALLS["validation_step"] += 1
+        x, y = batch
+        return F.cross_entropy(self.head(self.encoder(x)), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        _CALLS["configure_optimizers"] += 1
+        return super().configure_optimizers()
+
+
+def test_the_callback_runs_the_users_code_as_often_as_documented() -> None:
+    """One simulation of two steps at the first batch, one per other loop's first batch: with three
+    training batches, a sanity-check batch and one validation, +1 configure_optimizers, +2
+    training_step, +2 validation_step (docs/callback.md's table)."""
+
+    def counts(callbacks: list[Any]) -> dict[str, int]:
+        _CALLS.clear()
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_steps=3,
+            limit_val_batches=1,
+            num_sanity_val_steps=1,
+            val_check_interval=3,
+            callbacks=callbacks,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(_Counting(), _features(1536), _features(512))
+        return dict(_CALLS)
+
+    assert counts([]) == {"configure_optimizers": 1, "training_step": 3, "validation_step": 2}
+    assert counts([MemEstimate(max_depth=0)]) == {
+        "configure_optimizers": 2,
+        "training_step": 5,
+        "validation_step": 4,
+    }

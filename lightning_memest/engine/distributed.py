@@ -40,6 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from lightning_memest.constants import STRATEGIES
 from lightning_memest.errors import EstimationError
+from lightning_memest.options import check_count
 
 __all__ = [
     "DDP",
@@ -109,8 +110,8 @@ Strategy = DDP | FSDP
 
 
 def _check_ranks(world_size: int, rank: int) -> None:
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1; got {world_size}")
+    check_count("world_size", world_size)
+    check_count("rank", rank, minimum=0)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}); got {rank}")
 

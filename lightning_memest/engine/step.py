@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from lightning_memest.constants import PRECISIONS, Precision
 from lightning_memest.engine.distributed import Strategy, wrap
 from lightning_memest.engine.events import Phase
+from lightning_memest.options import check_strategy
 
 __all__ = [
     "PRECISIONS",
@@ -157,6 +158,7 @@ class StepConfig:
 
     def __post_init__(self) -> None:
         check_precision(self.precision)
+        check_strategy(self.strategy)
         if not callable(self.loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(model, batch); got {self.loss_fn!r}")
         if self.optimizer is not None and not callable(self.optimizer):
