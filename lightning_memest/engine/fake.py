@@ -8,7 +8,9 @@ training flags, and every list, dict, set, deque or plain object reachable from 
 and the values stay as they were.
 
 No real memory is allocated: real tensors become fake through ``FakeTensorMode.from_tensor`` (which
-keeps shared storages shared), meta and foreign tensors through ``from_meta_and_device``.
+keeps shared storages shared), meta and foreign tensors through ``from_meta_and_device``. The values of
+the module's small real tensors are copied beside them (``engine.real_path.know_module_value``), so that
+code reading them as numbers reads the real ones.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorConfig, FakeTens
 
 from lightning_memest.batches import map_tensors
 from lightning_memest.engine.containers import Reachable
+from lightning_memest.engine.real_path import ValueCopies, know_module_value
 
 __all__ = [
     "FakeConverter",
@@ -270,21 +273,27 @@ def fake_module(module: nn.Module, converter: FakeConverter) -> Iterator[nn.Modu
     # (``register_buffer`` inside forward, lazy modules) and the user's lists, dicts, sets and objects.
     reachable = Reachable(m for m, _ in modules)
     composed = _composable_modules()
+    # The values of the module's small tensors are known (``engine.real_path``): code that reads them
+    # (a loop count in a buffer, a step counter) takes the real run's path.
+    copies: ValueCopies = {}
     try:
         for m, _ in modules:
             for name, p in list(m._parameters.items()):
                 if p is not None:
-                    m._parameters[name] = converter.parameter(p)
+                    m._parameters[name] = fake_p = converter.parameter(p)
+                    know_module_value(fake_p, p, copies)
             for name, b in list(m._buffers.items()):
                 if b is not None:
-                    m._buffers[name] = converter.tensor(b)
+                    m._buffers[name] = fake_b = converter.tensor(b)
+                    know_module_value(fake_b, b, copies)
             for name, value in list(vars(m).items()):
                 if type(value) in _NO_TENSORS:  # most of a module's attributes: its dicts, its flags
                     continue
                 # Plain tensor attributes (not registered as buffers) are read by forward too, and
                 # lists of parameters kept beside _parameters (nn.LSTM's _flat_weights) must follow.
                 if isinstance(value, Tensor) and not isinstance(value, nn.Parameter):
-                    setattr_raw(m, name, converter.tensor(value))
+                    setattr_raw(m, name, fake := converter.tensor(value))
+                    know_module_value(fake, value, copies)
                 elif isinstance(value, (list, tuple)) and any(isinstance(v, Tensor) for v in value):
                     setattr_raw(m, name, type(value)(converter.any(v) for v in value))
         yield module

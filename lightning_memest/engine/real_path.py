@@ -41,10 +41,19 @@ values decide code paths -- integer and boolean tensors (positions, lengths, ind
 most :data:`VALUE_LIMIT` elements -- computed on small real CPU tensors beside the fake run:
 
 * the batch's integer and boolean tensors (copies; the batch is never touched);
+* the model's own parameters, buffers and tensor attributes (:func:`know_module_value`, called as
+  ``engine.fake`` converts the model): integer and boolean ones of at most :data:`VALUE_LIMIT`
+  elements, floating-point ones of at most :data:`FLOAT_VALUE_LIMIT` (a step count, a per-block
+  setting, a temperature, a learned scale: not a weight matrix, whose copy would cost its size and
+  whose every op would run a second time beside the fake one). A model built on the meta device has
+  no values: its reads stay assumed;
 * deterministic factories (``arange``, ``full``, ``zeros``, ``ones``, their ``_like`` and ``new_``
   forms; not ``empty`` or random ones) and ``torch.tensor(...)``;
 * any op whose tensor arguments all have known values: the same op on the values (views stay views
-  of the values, in-place ops update them; an in-place write from an unknown value forgets them).
+  of the values, in-place ops update them; an in-place write from an unknown value forgets them:
+  a counter such as batch norm's ``num_batches_tracked`` follows the step, an average of
+  activations becomes unknown, and so does a parameter once the optimizer updates it from its
+  gradient).
 
 A scalar read (``.item()``, ``bool(t)``, ``torch.equal``) of a known value returns it, and an op whose
 output size depends on known values (``nonzero``, boolean indexing) gets its real size; neither is a
@@ -86,11 +95,23 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._mode_utils import no_dispatch
 
-__all__ = ["VALUE_LIMIT", "KnownValues", "known_value", "real_path"]
+__all__ = [
+    "FLOAT_VALUE_LIMIT",
+    "VALUE_LIMIT",
+    "KnownValues",
+    "ValueCopies",
+    "know_module_value",
+    "known_value",
+    "real_path",
+]
 
 #: The most elements a tensor with a known value may have: masks and positions of a batch, not
 #: activations. Larger integer tensors stay fake (their reads go to the policy).
 VALUE_LIMIT = 1 << 20
+
+#: The most elements a floating-point parameter or buffer of the model may have for its value to be
+#: known: numbers code reads as numbers (``.item()``, a comparison), not weights.
+FLOAT_VALUE_LIMIT = 1 << 16
 
 _VALUE = "_memest_value"
 """The attribute of a fake tensor that holds its known value (a real CPU tensor)."""
@@ -231,25 +252,12 @@ class KnownValues:
         self.on_read: Callable[[torch._ops.OpOverload, str], None] | None = None
         """Told of each time a known value decided something (the op, what it answered): a scalar
         read, a data-dependent size."""
-        self._copies: dict[tuple[torch.device, int], torch.UntypedStorage] = {}
+        self._copies: ValueCopies = {}
 
     def add_batch_tensor(self, fake: Tensor, real: Tensor) -> None:
         """Know ``fake``'s value: a CPU copy of ``real`` (views of one storage share one copy)."""
-        if not (isinstance(fake, FakeTensor) and type(real) is Tensor and _valued_kind(real)):
-            return
-        if real.is_meta or real.layout != torch.strided or fake.shape != real.shape:
-            return
-        storage = real.untyped_storage()
-        if storage.nbytes() > VALUE_LIMIT * real.element_size():
-            return
-        key = (storage.device, storage.data_ptr())
-        copy = self._copies.get(key)
-        if copy is None:
-            raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-            copy = raw.to("cpu", copy=True).untyped_storage()
-            self._copies[key] = copy
-        value = torch.empty(0, dtype=real.dtype).set_(copy, real.storage_offset(), real.shape, real.stride())
-        setattr(fake, _VALUE, value)
+        if type(real) is Tensor and _valued_kind(real):
+            _know(fake, real, self._copies, VALUE_LIMIT)
 
     def dispatch(
         self,
@@ -282,10 +290,11 @@ class KnownValues:
             self._read(func, "the real size")
             return self._fake_of(real, _first_fake(args, kwargs))  # the real size
         # Integer and boolean outputs of known values or of constants keep their values; floating-point
-        # ones only where every tensor argument is known (not a float made of a shape alone: an
-        # optimizer's zeros_like of a weight).
-        from_values = all_known or (
-            valued == 0 and _from_constants(func, unvalued) and _all_small(out, False)
+        # ones only where every tensor argument is known, and not of a float's shape alone (an
+        # optimizer's zeros_like of a weight, known or not; a padding mask's float zeros_like is kept).
+        shape_only = func in _SHAPE_ONLY and _floating_argument(args)
+        from_values = (all_known and not shape_only) or (
+            (valued == 0 or shape_only) and _from_constants(func, unvalued) and _all_small(out, False)
         )
         if from_values and _all_small(out) and _attach(out, _run_real(func, args, kwargs)):
             return out
@@ -307,6 +316,66 @@ class KnownValues:
         fake = self.mode.fake_tensor_converter.from_meta_and_device(self.mode, meta, like.device)
         setattr(fake, _VALUE, real)
         return fake
+
+
+#: The CPU copies of the storages whose values are known, by the real storage's device and address:
+#: views of one storage share one copy, so a write through one is seen through the others.
+ValueCopies = dict[tuple[torch.device, int], torch.UntypedStorage]
+
+
+def know_module_value(fake: Tensor, real: Tensor, copies: ValueCopies) -> None:
+    """Know the value of ``fake``, the simulation's stand-in for the model's own tensor ``real`` (a
+    parameter, a buffer, a tensor attribute): a CPU copy of ``real``, filed in ``copies``, where it is
+    small (integer and boolean tensors of at most :data:`VALUE_LIMIT` elements, floating-point ones of
+    at most :data:`FLOAT_VALUE_LIMIT`) and real (not meta, not fake, not a tensor subclass). Where
+    ``fake`` was converted to another floating-point dtype (``*-true`` precisions), so is its value.
+
+    Example:
+        >>> from torch._subclasses.fake_tensor import FakeTensorMode
+        >>> mode, reps = FakeTensorMode(), torch.tensor([3])
+        >>> fake = mode.from_tensor(reps)
+        >>> know_module_value(fake, reps, {})
+        >>> with real_path(mode), mode:
+        ...     int(fake.item())
+        3
+    """
+    if type(real) not in _PLAIN or real.is_meta:
+        return
+    if real.is_floating_point():
+        limit = FLOAT_VALUE_LIMIT
+    elif real.is_complex() or real.is_quantized:
+        return
+    else:
+        limit = VALUE_LIMIT
+    if real.numel() <= limit:
+        _know(fake, real, copies, limit)
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
+def _know(fake: Tensor, real: Tensor, copies: ValueCopies, limit: int) -> None:
+    """File a CPU copy of ``real`` (its storage's, shared by its views) as ``fake``'s value, where its
+    storage holds at most ``limit`` elements."""
+    if not isinstance(fake, FakeTensor) or real.is_meta or real.layout != torch.strided:
+        return
+    if fake.shape != real.shape:
+        return
+    storage = real.untyped_storage()
+    if storage.nbytes() > limit * real.element_size():
+        return  # a small view of a large storage (a flat parameter): the copy would be the storage's
+    key = (storage.device, storage.data_ptr())
+    copy = copies.get(key)
+    if copy is None:
+        raw = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        copy = raw.to("cpu", copy=True).untyped_storage()
+        copies[key] = copy
+    value = torch.empty(0, dtype=real.dtype).set_(copy, real.storage_offset(), real.shape, real.stride())
+    if fake.dtype != value.dtype:
+        if not (fake.is_floating_point() and value.is_floating_point()):
+            return
+        value = value.to(fake.dtype)  # a *-true conversion: the value the real run converts to
+    setattr(fake, _VALUE, value)
 
 
 def _valued_kind(t: Tensor) -> bool:
@@ -338,6 +407,11 @@ def _count(args: Sequence[object], kwargs: Mapping[str, object]) -> tuple[int, i
             else:
                 valued += 1
     return valued, unvalued
+
+
+def _floating_argument(args: Sequence[object]) -> bool:
+    """Whether the first argument is a floating-point tensor (a ``_like`` factory's template)."""
+    return bool(args) and isinstance(args[0], Tensor) and args[0].is_floating_point()
 
 
 def _first_fake(args: Sequence[object], kwargs: Mapping[str, object]) -> FakeTensor:
@@ -405,21 +479,32 @@ def _forget_written(func: object, args: Sequence[object], kwargs: Mapping[str, o
 
 
 def _written_arguments(func: object) -> tuple[tuple[int, str], ...]:
-    """(position, name) of the arguments ``func`` writes into (``Tensor(a!)`` in its schema); a
-    keyword-only one has no position (``sys.maxsize``)."""
+    """(position, name) of the arguments ``func`` writes into (``Tensor(a!)`` in its schema, and the
+    running statistics the batch-norm kernels update unannotated); a keyword-only one has no position
+    (``sys.maxsize``)."""
     found = _WRITTEN.get(func)
     if found is None:
         schema = getattr(func, "_schema", None)
+        arguments = list(enumerate(schema.arguments if schema is not None else ()))
+        unannotated = _UNANNOTATED_WRITES.get(getattr(func, "overloadpacket", None), ())
         found = tuple(
             (sys.maxsize if arg.kwarg_only else i, arg.name)
-            for i, arg in enumerate(schema.arguments if schema is not None else ())
-            if arg.alias_info is not None and arg.alias_info.is_write
+            for i, arg in arguments
+            if (arg.alias_info is not None and arg.alias_info.is_write) or arg.name in unannotated
         )
         _WRITTEN[func] = found
     return found
 
 
 _WRITTEN: dict[object, tuple[tuple[int, str], ...]] = {}
+
+#: Ops that write arguments their schema does not mark written: the eager batch-norm kernels update
+#: ``running_mean`` and ``running_var`` in place (``nn.BatchNorm*`` in training on CPU calls
+#: ``native_batch_norm``; ``_native_batch_norm_legit`` is the annotated twin torch made for tracing).
+_UNANNOTATED_WRITES: dict[object, tuple[str, ...]] = {
+    op: ("running_mean", "running_var")
+    for op in (aten.native_batch_norm, aten.cudnn_batch_norm, aten.miopen_batch_norm, aten.instance_norm)
+}
 
 
 def _run_real(func: torch._ops.OpOverload, args: Sequence[object], kwargs: Mapping[str, object]) -> Any:

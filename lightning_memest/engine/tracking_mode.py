@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from lightning_memest.engine.events import Phase
 from lightning_memest.engine.pointer_kernels import pointer_kernels
+from lightning_memest.engine.real_path import known_value
 from lightning_memest.engine.sparse import carry_indices, sparse_rule
 from lightning_memest.engine.tracker import Tracker, real_value
 from lightning_memest.engine.values import data_dependent
@@ -169,10 +170,11 @@ class TrackingFakeTensorMode(FakeTensorMode):  # type: ignore[no-untyped-call]
 
     def _own(self, args: Sequence[object], kwargs: Mapping[str, object]) -> bool:
         """Whether every tensor argument is a fake tensor of this mode (the first one a tensor without a
-        constant: the fake kernel keeps values of small tensors made from numbers, such as an
-        optimizer's step counter, which ``.item()`` reads)."""
+        constant or known value: the fake kernel keeps values of small tensors made from numbers, such
+        as an optimizer's step counter, which ``.item()`` reads; ``engine.real_path`` updates or forgets
+        the known value of a small parameter as the update writes it)."""
         first = args[0]
-        if not isinstance(first, FakeTensor) or first.constant is not None:
+        if not isinstance(first, FakeTensor) or first.constant is not None or known_value(first) is not None:
             return False
         for a in (*args, *kwargs.values()):
             if isinstance(a, Tensor) and not (isinstance(a, FakeTensor) and a.fake_mode is self):
