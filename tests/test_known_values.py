@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_memest import MemEstimate, estimate_step
@@ -162,6 +163,35 @@ def test_batch_norm_counts_its_batches_and_its_statistics_follow_the_batch() -> 
     assert seen == [(1, 0.0), (2, 0.0)]  # the variance is read after the batch moved it: assumed
     exact = {r.exact: r.count for r in est.data_dependent or ()}
     assert exact == {True: 2, False: 2}
+
+
+class PackedTagger(nn.Module):
+    """A small embedding table (known, with the batch's tokens: the embedded batch is known too) packed
+    by the batch's lengths into an LSTM, whose kernels read the packed batch sizes by data pointer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(64, 32)
+        self.lstm = nn.LSTM(32, 64, batch_first=True)
+
+    def forward(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+        packed = pack_padded_sequence(self.embedding(tokens), lengths, batch_first=True, enforce_sorted=False)
+        output, _ = self.lstm(packed)
+        padded, _ = pad_packed_sequence(output, batch_first=True)
+        return padded.pow(2).mean()
+
+
+def test_known_values_through_a_packed_sequence() -> None:
+    torch.manual_seed(0)
+    batch = (torch.randint(0, 64, (16, 24)), torch.randint(4, 25, (16,)))
+
+    def loss(model: nn.Module, b: tuple[Tensor, Tensor]) -> Tensor:
+        return model(*b)  # type: ignore[no-any-return]
+
+    est = estimate_step(PackedTagger(), batch, loss_fn=loss, optimizer=torch.optim.Adam)
+    measured = measure_step(PackedTagger(), batch, StepConfig(loss_fn=loss, optimizer=torch.optim.Adam))
+    for peak, real in zip(est.peaks, measured.peak_bytes, strict=True):
+        assert abs(peak.bytes - real) <= 0.02 * real, (peak.bytes, real)
 
 
 def test_a_model_built_on_the_meta_device_has_no_values_to_know() -> None:

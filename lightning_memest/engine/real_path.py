@@ -111,7 +111,7 @@ VALUE_LIMIT = 1 << 20
 
 #: The most elements a floating-point parameter or buffer of the model may have for its value to be
 #: known: numbers code reads as numbers (``.item()``, a comparison), not weights.
-FLOAT_VALUE_LIMIT = 1 << 16
+FLOAT_VALUE_LIMIT = 1 << 12
 
 _VALUE = "_memest_value"
 """The attribute of a fake tensor that holds its known value (a real CPU tensor)."""
@@ -134,6 +134,11 @@ _SHAPE_ONLY = frozenset(
         aten.new_full.default,
     }
 )
+
+#: Data-dependent ops whose outputs the engine's policy makes even where every input is known: a
+#: packed sequence's batch sizes must be a real CPU tensor, which the recurrent kernels read through a
+#: data pointer (``engine.values.data_dependent``'s ``_pack_padded``).
+_POLICY_MADE = frozenset({aten._pack_padded_sequence})
 
 #: ``torch.tensor(data)``: the fake mode gets the data as a real tensor.
 _LIFTS = frozenset({aten.lift_fresh.default, aten.lift_fresh_copy.default})
@@ -282,7 +287,7 @@ class KnownValues:
         try:
             out = self.fake_dispatch(func, types, args, kwargs)
         except (DynamicOutputShapeException, DataDependentOutputException):
-            if not all_known:
+            if not all_known or func.overloadpacket in _POLICY_MADE:
                 raise
             real = _run_real(func, args, kwargs)
             if real is _NO_VALUE or not _all_small(real):
