@@ -49,7 +49,7 @@ from lightning_memest.engine.events import (
     TensorMeta,
 )
 from lightning_memest.engine.fake import local_tensor
-from lightning_memest.engine.real_ops import NotRunnable, run_for_real
+from lightning_memest.engine.real_ops import NotRunnable, python_kernel, run_for_real, runs_on_fake
 from lightning_memest.engine.real_path import known_value
 from lightning_memest.engine.values import data_dependent
 from lightning_memest.engine.values.read_guard import ReadGuard
@@ -110,6 +110,7 @@ class Tracker:
         self.value_reads = 0
         """How many ``DataDependent`` events were recorded (``Simulation.value_reads``): counted as they
         are, not by a walk of every event at the end."""
+        self._within: list[str] = []  # the ops whose Python kernels are running on fake tensors
         self.layout_writes = 0
         """How many ops so far could change a tensor's layout in place (in-place views, ``set_``,
         ``resize_``, ``out=``: the tracking mode counts them), for what caches tensors' layouts."""
@@ -324,7 +325,8 @@ class Tracker:
                     op=str(func),
                     module=self.module,
                 ) from exc
-            self.events.append(DataDependent(str(func), self.module, ans.assumed, ans.exact, ans.bound))
+            said = f"{ans.assumed}, inside {self._within[-1]}" if self._within else ans.assumed
+            self.events.append(DataDependent(str(func), self.module, said, ans.exact, ans.bound))
             self.value_reads += 1
             if not ans.exact:
                 self._read_guard.count(str(func), self.module, self.step)
@@ -341,14 +343,23 @@ class Tracker:
     def _for_real(
         self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], exc: Exception
     ) -> Any:
-        """An op whose fake kernel raised ``exc``, run for real on stand-ins (``engine.real_ops``);
+        """An op whose fake kernel raised ``exc``: its Python kernel run on the fake tensors, its ops the
+        step's, where it has one that runs there; else run for real on stand-ins (``engine.real_ops``),
         counted in :attr:`real_ops`. An ``EstimationError`` with the fake kernel's error, and why the
         op did not run for real, where it could not."""
         mode = self.mode
+        if mode is not None:
+            key = python_kernel(func, _device_of(args, kwargs))
+            if key is not None and runs_on_fake(func, key, _trial(mode, func, key, args, kwargs)):
+                return self._on_fake(mode, func, key, args, kwargs)
+
+        def assumed(what: str) -> None:
+            self.value_read(func, what, exact=False)
+
         try:
             if mode is None:
                 raise NotRunnable("no fake mode to run it beside")
-            out, self.workspace = run_for_real(mode, func, args, kwargs, real_value)
+            out, self.workspace = run_for_real(mode, func, args, kwargs, real_value, assumed)
         except Exception as real:
             why = f"not run for real: {real}" if isinstance(real, NotRunnable) else "and for real"
             raise EstimationError(
@@ -358,6 +369,33 @@ class Tracker:
             ) from exc
         self.real_ops[str(func)] += 1
         return out
+
+    def _on_fake(
+        self,
+        mode: FakeTensorMode,
+        func: torch._ops.OpOverload,
+        key: torch._C.DispatchKey,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """``func``'s Python kernel run on the fake tensors inside ``mode``: each op it runs is recorded as
+        the step's (what the real kernel allocates, frees and computes), its data-dependent reads listed
+        as inside ``func``."""
+        self._within.append(str(func))
+        try:
+            with mode:
+                return func._op_dk(key, *args, **kwargs)
+        except EstimationError:
+            raise
+        except Exception as exc:
+            raise EstimationError(
+                f"{func} has no fake kernel, and its Python kernel failed on fake tensors: "
+                f"{type(exc).__name__}: {exc}",
+                op=str(func),
+                module=self.module,
+            ) from exc
+        finally:
+            self._within.pop()
 
     def _accumulate_in_place(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Tensor) -> None:
         """Autograd's engine sums two gradients of one input (``InputBuffer::accumulate``, a tensor used
@@ -511,6 +549,34 @@ def _meta(value: Any) -> Any:
 def _is_below(path: str, ancestor: str) -> bool:
     """Whether module ``path`` is a strict descendant of module ``ancestor``."""
     return path != ancestor and (not ancestor or path.startswith(ancestor + "."))
+
+
+def _device_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+    """The device of an op's first tensor argument (the CPU where none)."""
+    for a in tree_leaves((args, kwargs)):
+        if isinstance(a, Tensor):
+            return a.device
+    return torch.device("cpu")
+
+
+def _trial(
+    mode: FakeTensorMode,
+    func: torch._ops.OpOverload,
+    key: torch._C.DispatchKey,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Callable[[], object]:
+    """``func``'s kernel at ``key`` run on the fake tensors with none of its ops recorded (whether it
+    runs there at all: ``engine.real_ops.runs_on_fake``)."""
+    untracked = getattr(mode, "untracked", None)
+
+    def trial() -> object:
+        if untracked is None:
+            raise NotRunnable("the fake mode records every op")
+        with untracked(), mode:
+            return func._op_dk(key, *args, **kwargs)
+
+    return trial
 
 
 def _device_type(args: tuple[Any, ...], outputs: list[Tensor]) -> str:

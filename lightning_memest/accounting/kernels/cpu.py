@@ -326,3 +326,38 @@ def _embedding_backward(call: OpCall) -> KernelMemory | None:
         return None
     ws = copy_if_strided(call.arg("grad_output"))
     return KernelMemory(ws) if ws else None
+
+
+# ------------------------------------------------------------------------------------ boolean masks
+
+
+@CPU_KERNELS.register(aten.index.Tensor, aten.index_put, aten.index_put_, aten._index_put_impl_)
+def _mask_coordinates(call: OpCall) -> KernelMemory | None:
+    # A boolean (or uint8) index becomes the coordinates of its set elements first (ATen's expandTensors
+    # calls nonzero): int64, count x mask dims, freed as the op ends. Measured (torch 2.14.1, CPU): x[m]
+    # for a (4096, 64) mask of 130,970 set holds 2,095,520 B beyond its output, x.index_put_((m,), v)
+    # the same; (1000,) and (64, 32, 8) masks alike. The count is the selection's rows (the output's for
+    # index, the values' for index_put); where they do not say (a broadcast value, several indices),
+    # every element of the mask: the most.
+    indices, target = call.arg("indices"), call.arg("self")
+    if (
+        call.device_type != "cpu"
+        or not isinstance(indices, (list, tuple))
+        or not isinstance(target, TensorMeta)
+    ):
+        return None
+    masks = [i for i in indices if isinstance(i, TensorMeta) and i.dtype in (torch.bool, torch.uint8)]
+    if not masks:
+        return None
+    ws = sum(math.prod(m.shape) * len(m.shape) * 8 for m in masks)
+    advanced = [i for i in indices if i is not None]
+    if len(advanced) == 1:  # one mask, after ``lead`` whole dims: the selection is dim ``lead``
+        mask = masks[0]
+        lead = indices.index(mask)
+        rest = len(target.shape) - lead - len(mask.shape)
+        selected = call.outputs[0] if call.op is aten.index.Tensor and call.outputs else call.arg("values")
+        if isinstance(selected, TensorMeta) and len(selected.shape) == lead + 1 + rest:
+            rows = selected.shape[lead]
+            if rows != 1 or call.op is aten.index.Tensor:  # one value row may be broadcast to all
+                ws = min(rows, math.prod(mask.shape)) * len(mask.shape) * 8
+    return KernelMemory(ws) if ws else None
