@@ -21,7 +21,9 @@ from typing import Any
 SETTINGS = {
     "without the callback": "[]",
     "MemEstimate()": "[MemEstimate(max_depth=0)]",
-    "over the budget (memory_budget='60MiB'): the advice": "[MemEstimate(max_depth=0, memory_budget='60MiB')]",
+    "over the budget (memory_budget='60MiB'): the advice": (
+        "[MemEstimate(max_depth=0, memory_budget='60MiB')]"
+    ),
     "checkpointing='auto' (memory_budget='60MiB')": (
         "[MemEstimate(max_depth=0, memory_budget='60MiB', checkpointing='auto')]"
     ),

@@ -412,12 +412,20 @@ class StepEstimate:
         }
 
     def data_dependent_json(self) -> list[dict[str, Any]] | None:
-        """The tensor values the step read, whether each was exact and what was answered (assumed where
-        not exact); ``None`` when none."""
+        """The tensor values the step read, whether each was exact, what was answered (assumed where
+        not exact) and whether that answer is an upper bound (``bound``: it cannot lower the estimate);
+        ``None`` when none."""
         if self.data_dependent is None:
             return None
         return [
-            {"op": r.op, "module": r.module, "exact": r.exact, "assumed": r.assumed, "count": r.count}
+            {
+                "op": r.op,
+                "module": r.module,
+                "exact": r.exact,
+                "assumed": r.assumed,
+                "bound": r.bound,
+                "count": r.count,
+            }
             for r in self.data_dependent
         ]
 
