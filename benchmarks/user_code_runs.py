@@ -12,6 +12,7 @@ Prints one Markdown row per setting: the calls of ``configure_optimizers``, ``tr
 
 from __future__ import annotations
 
+import argparse
 import collections
 import json
 import subprocess
@@ -87,8 +88,15 @@ def fit(callbacks: str) -> dict[str, int]:
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--fit":
-        print(json.dumps(fit(sys.argv[2])))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--fit", metavar="CALLBACKS", help="one fit with these callbacks (Python source), as JSON"
+    )
+    args = parser.parse_args()
+    if args.fit is not None:
+        print(json.dumps(fit(args.fit)))
         return
     hooks = ("configure_optimizers", "training_step", "validation_step", "forward")
     print("| Setting | " + " | ".join(f"`{h}`" for h in hooks) + " |")
