@@ -98,15 +98,24 @@ def auto_plan(
     batches: FitBatches,
     budget: BudgetCheck,
     estimate: StepEstimate,
+    *,
+    fresh: bool = False,
 ) -> CheckpointPlan | None:
     """The checkpointing plan for the latest estimate of ``batches`` where it is over the budget and a
-    plan fits (``None`` where the step fits as it is, or nothing fits)."""
+    plan fits (``None`` where the step fits as it is, or nothing fits); ``fresh``: the module changed
+    since that estimate (a plan taken off), so the planner simulates the step anew."""
     step, _, _ = _checked(batches)
-    budget_bytes = budget.budget_bytes(estimate, trainer.strategy.root_device)
-    if estimate.runnable_peak_bytes <= budget_bytes:  # as the pre-check decides
+    budget_bytes = _over_budget(trainer, budget, estimate)
+    if budget_bytes is None:
         return None
-    plan = plan_step(step, module, budget_bytes)
+    plan = plan_step(step.fresh() if fresh else step, module, budget_bytes)
     return plan if plan.fits and plan.modules else None
+
+
+def _over_budget(trainer: pl.Trainer, budget: BudgetCheck, estimate: StepEstimate) -> int | None:
+    """The budget in bytes where ``estimate`` is over it, as the pre-check decides; ``None`` where it fits."""
+    budget_bytes = budget.budget_bytes(estimate, trainer.strategy.root_device)
+    return None if estimate.runnable_peak_bytes <= budget_bytes else budget_bytes
 
 
 def apply_plan(
@@ -148,20 +157,17 @@ def replan(
     the new plan, or ``None`` where the batch fits, or no plan fits it (``applied`` then stays, and the
     pre-check says what else would fit). One process only: under several ranks a later batch is one
     rank's, and the module must stay alike on all of them (the pre-check warns instead)."""
-    if trainer.world_size > 1:
-        return None
-    step, _, _ = _checked(batches)
-    budget_bytes = budget.budget_bytes(estimate, trainer.strategy.root_device)
-    if estimate.runnable_peak_bytes <= budget_bytes:
+    if trainer.world_size > 1 or _over_budget(trainer, budget, estimate) is None:
         return None
     before = remove_checkpointing(module, applied.modules if applied is not None else ())
     try:
         plan = guard.safely(
-            "planning activation checkpointing", lambda: plan_step(step.fresh(), module, budget_bytes)
+            "planning activation checkpointing",
+            lambda: auto_plan(trainer, module, batches, budget, estimate, fresh=True),
         )
     finally:
         apply_checkpointing(module, before)  # the module trains as it did until a new plan replaces it
-    if plan is None or not (plan.fits and plan.modules):
+    if plan is None:
         return None
     remove_checkpointing(module, before)
     plan.apply(module)
