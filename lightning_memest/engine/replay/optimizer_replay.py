@@ -32,8 +32,8 @@ Example:
     >>> simulate(model, torch.randn(4, 8), config, replay_blocks=True).replayed_updates > 0
     True
 
-(How many are replayed depends on the process too: once ``torch.compile`` has run in it, this example
-replays 12 parameter iterations instead of 18 -- the figures are the full simulation's either way.)
+(The same once ``torch.compile`` has run in the process, which wraps each optimizer class's
+``_init_group`` in one of its own: each is replayed.)
 """
 
 from __future__ import annotations
@@ -491,14 +491,18 @@ def optimizer_replay(groups: list[BlockGroup], tracker: Tracker) -> Iterator[Opt
 
     wrap_updates(adam_module, "_single_tensor_adam")
     wrap_updates(sgd_module, "_single_tensor_sgd")
-    init = torch.optim.Adam.__dict__.get("_init_group")
-    if init is not None:
+    # Once dynamo has run in the process it wraps each optimizer class's _init_group in one of the
+    # class's own (AdamW's then no longer inherits Adam's): each class that has one gets the wrapper.
+    for cls in (torch.optim.Adam, torch.optim.AdamW):
+        init = cls.__dict__.get("_init_group")
+        if init is None:
+            continue
 
-        def init_group(opt: Any, group: Any, *lists: Any) -> Any:
-            return replay.init_group(init, opt, group, lists)
+        def init_group(opt: Any, group: Any, *lists: Any, _init: Any = init) -> Any:
+            return replay.init_group(_init, opt, group, lists)
 
-        patched.append((torch.optim.Adam, "_init_group", init))
-        torch.optim.Adam._init_group = init_group  # type: ignore[method-assign]
+        patched.append((cls, "_init_group", init))
+        cls._init_group = init_group  # type: ignore[method-assign]
     try:
         yield replay
     finally:
