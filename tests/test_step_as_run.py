@@ -25,7 +25,14 @@ from lightning_memest.engine.step import StepConfig
 from lightning_memest.measure import measure_step
 
 
-def _fit(module: pl.LightningModule, data: Any, callbacks: list[Any], steps: int = 3) -> pl.Trainer:
+def _fit(
+    module: pl.LightningModule,
+    data: Any,
+    callbacks: list[Any],
+    steps: int = 3,
+    val_data: Any = None,
+    **trainer_kwargs: Any,
+) -> pl.Trainer:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -35,8 +42,9 @@ def _fit(module: pl.LightningModule, data: Any, callbacks: list[Any], steps: int
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **trainer_kwargs,
     )
-    trainer.fit(module, data)
+    trainer.fit(module, data, val_data)
     return trainer
 
 
@@ -232,19 +240,8 @@ def test_the_callback_runs_the_users_code_as_often_as_documented() -> None:
 
     def counts(callbacks: list[Any]) -> dict[str, int]:
         _CALLS.clear()
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            max_steps=3,
-            limit_val_batches=1,
-            num_sanity_val_steps=1,
-            val_check_interval=3,
-            callbacks=callbacks,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
-        trainer.fit(_Counting(), _features(1536), _features(512))
+        val = {"limit_val_batches": 1, "num_sanity_val_steps": 1, "val_check_interval": 3}
+        _fit(_Counting(), _features(1536), callbacks, 3, _features(512), **val)
         return dict(_CALLS)
 
     assert counts([]) == {"configure_optimizers": 1, "training_step": 3, "validation_step": 2}
