@@ -16,6 +16,7 @@ first real call compiles as it would have.
 Example:
     >>> import torch
     >>> from torch._dynamo.utils import counters
+    >>> counters.clear()  # (what this process compiled before)
     >>> net = torch.compile(torch.nn.Linear(2, 2), backend="eager")
     >>> with eager_compiled():
     ...     _ = net(torch.ones(1, 2))
@@ -34,6 +35,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from lightning_memest.engine.fake import outermost_modules
+
 __all__ = ["compiled_modules", "eager_compiled"]
 
 
@@ -49,14 +52,12 @@ def compiled_modules(model: nn.Module) -> tuple[str, ...]:
     """The dotted paths (``""``: the model itself) of ``model``'s modules that ``torch.compile`` wraps
     (an ``OptimizedModule``), that were compiled in place (``module.compile()``), or whose forward
     Lightning compiled (a fit of ``torch.compile(lightning_module)``), outermost only."""
-    found: list[str] = []
-    for path, module in model.named_modules(remove_duplicate=True):
-        if any(path.startswith(f"{p}.") or p == "" for p in found):
-            continue
-        wrapped = type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
-        # Lightning's fit of ``torch.compile(lightning_module)`` unwraps it and compiles its forward,
-        # keeping what it did in ``_compiler_ctx`` (lightning/pytorch/utilities/compile.py).
-        lightning = getattr(module, "_compiler_ctx", None) is not None
-        if wrapped or lightning or getattr(module, "_compiled_call_impl", None) is not None:
-            found.append(path)
-    return tuple(found)
+    return outermost_modules(model, _compiled)
+
+
+def _compiled(module: nn.Module) -> bool:
+    wrapped = type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+    # Lightning's fit of ``torch.compile(lightning_module)`` unwraps it and compiles its forward,
+    # keeping what it did in ``_compiler_ctx`` (lightning/pytorch/utilities/compile.py).
+    lightning = getattr(module, "_compiler_ctx", None) is not None
+    return wrapped or lightning or getattr(module, "_compiled_call_impl", None) is not None

@@ -18,7 +18,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
@@ -36,6 +36,7 @@ __all__ = [
     "fake_module",
     "fake_tensor",
     "local_tensor",
+    "outermost_modules",
     "resident_tensors",
     "setattr_raw",
     "swappable_fakes",
@@ -366,6 +367,24 @@ def local_tensor(t: Tensor) -> Tensor:
     """The tensor that holds the memory: a DTensor's local shard, else ``t`` itself."""
     local = getattr(t, "_local_tensor", None)
     return local if isinstance(local, Tensor) else t
+
+
+def outermost_modules(model: nn.Module, chosen: Callable[[nn.Module], bool]) -> tuple[str, ...]:
+    """The dotted paths (``""``: ``model`` itself) of the modules ``chosen`` picks, none inside another.
+
+    >>> net = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Dropout(), nn.Dropout()))
+    >>> outermost_modules(net, lambda m: isinstance(m, (nn.Sequential, nn.Dropout)))
+    ('',)
+    >>> outermost_modules(net, lambda m: isinstance(m, nn.Dropout))
+    ('1.0', '1.1')
+    """
+    found: list[str] = []
+    # named_modules walks depth first: a chosen module's descendants come right after it.
+    for path, module in model.named_modules():
+        inside = bool(found) and (found[-1] == "" or path.startswith(f"{found[-1]}."))
+        if not inside and chosen(module):
+            found.append(path)
+    return tuple(found)
 
 
 def resident_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor, bool]]:

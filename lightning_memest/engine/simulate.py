@@ -36,6 +36,7 @@ from lightning_memest.engine.fake import (
     FakeConverter,
     fake_module,
     local_tensor,
+    outermost_modules,
     resident_tensors,
     swappable_fakes,
 )
@@ -183,7 +184,7 @@ def simulate(
     target, what_if = _target_device(model, device)
     start = time.perf_counter()
     modules = ModuleNode.of(model)
-    compiled, in_eval = compiled_modules(model), _eval_modules(model)
+    compiled, in_eval = compiled_modules(model), outermost_modules(model, lambda m: not m.training)
     groups = repeated_blocks(model) if replay_blocks else []  # before any hook of ours is on it
     tracker = ReplayTracker(capture=capture) if groups else Tracker(capture=capture)
     mode = TrackingFakeTensorMode(tracker)
@@ -297,15 +298,6 @@ def simulate(
         compiled=compiled,
         eval_modules=in_eval,
     )
-
-
-def _eval_modules(model: nn.Module) -> tuple[str, ...]:
-    """The outermost modules of ``model`` in eval mode (``("",)``: all of it)."""
-    found: list[str] = []
-    for path, module in model.named_modules():
-        if not module.training and not any(path == p or path.startswith(f"{p}.") or p == "" for p in found):
-            found.append(path)
-    return tuple(found)
 
 
 def _same(t: Tensor) -> Tensor:

@@ -120,7 +120,7 @@ class _Group:
         self.next = 0
         self.records: dict[int, BlockRecord] = {}
         self.template: Template | None = None
-        self.uses: dict[int, Uses] = {}  # what each recorded block's forward did with its watched attributes
+        self.decided: Uses | None = None  # what block 1's forward did with its watched attributes
         self.off: str | None = None
         self.replayed = 0
         self.backward_ready = False
@@ -131,8 +131,7 @@ class _Group:
         watched = self.group.watched
         if not watched:
             return True
-        uses = self.uses.get(1)
-        return uses is not None and uses.hold(values_of(module, watched))
+        return self.decided is not None and self.decided.hold(values_of(module, watched))
 
     def recorded(self, k: int) -> bool:
         return k in (1, 2, self.n - 2)
@@ -179,15 +178,14 @@ class BlockReplay:
         state.next = k + 1
         if state.stand_in(k):
             template = self._template(state)
-            if template is not None:
+            why = "inputs differ"
+            if template is not None and not state.same_path(module):
+                why = "its forward decides otherwise on what differs by block"
+            elif template is not None:
                 leaves, spec = tree_flatten((args, kwargs))
-                same_path = state.same_path(module)
-                if same_path and _input_key(leaves, spec) == template.record.input_key:
+                if _input_key(leaves, spec) == template.record.input_key:
                     state.replayed += 1
                     return self._stand_in(state, template, module, leaves)
-            else:
-                same_path = True
-            why = "inputs differ" if same_path else "its forward decides otherwise on what differs by block"
             if state.replayed:
                 raise ReplayMismatch(f"block {state.group.members[k]} does not match its template: {why}")
             state.off = state.off or why
@@ -235,12 +233,14 @@ class BlockReplay:
         state.records[k] = record
         start, real = len(tracker.events), Counter(tracker.real_ops)
         # What the forward does with the block's own state decides whether another block would run the
-        # same events (engine/replay/watched.py): a number no two blocks share, used; an attribute set.
+        # same events (engine/replay/watched.py): its decisions on what no two blocks share (block 1's
+        # are made again for each stand-in), another use of it, an attribute it sets.
         with watching(module, state.group.watched) as uses:
             held = Attributes(module)
             out = original(*args, **kwargs)
             written = held.written()
-        state.uses[k] = uses
+        if k == 1:
+            state.decided = uses
         if uses.doubt is not None:
             record.fail(uses.doubt)
         if written is not None:

@@ -127,12 +127,12 @@ def repeated_blocks(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> list[Bloc
         for start, stop, _ in _periodic_runs(structures, modules, min_blocks):
             run = children[start:stop]
             # Refined by kind: blocks alike in structure that differ in what they are (see _kinds).
-            kinds, numbers = _kinds(run)
+            kinds, watched = _kinds(run)
             keys = [(structures[start + k], kind) for k, kind in enumerate(kinds)]
             for a, b, period in _periodic_runs(keys, modules[start:stop], min_blocks):
                 part = run[a:b]
                 members = tuple(f"{path}.{n}" if path else n for n, _ in part)
-                groups.append(BlockGroup(path, members, tuple(m for _, m in part), period, numbers))
+                groups.append(BlockGroup(path, members, tuple(m for _, m in part), period, watched))
                 taken.update(members)
     return groups
 
@@ -256,21 +256,22 @@ def _kinds(run: list[tuple[str, nn.Module]]) -> tuple[list[tuple[Any, ...]], tup
     shifts, a config dict that marks one layer wide), which steer a forward the structure does not
     show: blocks of one kind never stand in for another's. And the attributes whose every value is
     distinct (a layer's index, a stochastic-depth rate growing with depth, a dict naming the layer):
-    they name an instance, not a kind, and are *watched* -- a template block's forward that uses one
-    keeps the group from being replayed (``engine.replay.watched``)."""
+    they name an instance, not a kind, and are *watched* -- what a template block's forward decides on
+    them must come out the same for each stand-in, any other use keeps the group simulated
+    (``engine.replay.watched``)."""
     seen = [_attributes(m) for _, m in run]
     kinds: list[tuple[str, str]] = []
-    numbers: list[tuple[str, str]] = []
+    watched: list[tuple[str, str]] = []
     for key in sorted(set().union(*seen)):
         values = [a.get(key, _MISSING) for a in seen]
         compared = [_compared(v) for v in values]
         if all(c == compared[0] for c in compared):
             continue
         if all(type(v) in WATCHABLE for v in values) and len(set(compared)) == len(values):
-            numbers.append(key)
+            watched.append(key)
             continue
         kinds.append(key)
-    return [tuple(_compared(attrs.get(k, _MISSING)) for k in kinds) for attrs in seen], tuple(numbers)
+    return [tuple(_compared(attrs.get(k, _MISSING)) for k in kinds) for attrs in seen], tuple(watched)
 
 
 def _structure(block: nn.Module) -> Any:
