@@ -171,7 +171,9 @@ def test_estimate_step_keeps_the_modes_measure_step_runs() -> None:
     config = StepConfig(optimizer=torch.optim.SGD)
     est = estimate_step(model, batch, optimizer=torch.optim.SGD)
     real = measure_step(model, batch, config)
-    assert est.first_step.bytes == real.first_step and est.steady_state.bytes == real.steady_state
+    # Within the zoo's 1 % (kernels' own memory differs by CPU; exact here): in train mode, +33 %.
+    assert abs(est.first_step.bytes - real.first_step) <= 0.01 * real.first_step
+    assert abs(est.steady_state.bytes - real.steady_state) <= 0.01 * real.steady_state
 
 
 # --- each step its own batch --------------------------------------------------------------------------------
@@ -210,7 +212,8 @@ def test_a_step_writing_into_its_batch_leaves_the_next_step_a_fresh_batch() -> N
     _fit(_EmbeddingWriter(), DataLoader(_Pairs(), batch_size=16), [memest])
     assert len(memest.measured) == 2
     for step in memest.measured:
-        assert step.estimated_bytes == step.peak_bytes, step  # the second step read +24 KiB
+        # Within the zoo's 1 % (exact on this machine); the second step read +29 KiB (+5.2 %) before.
+        assert abs(step.error_pct) <= 1.0, step
 
 
 # --- how often the user's code runs (docs/callback.md) ------------------------------------------------------
