@@ -135,3 +135,16 @@ def test_auto_checkpointing_plans_again_for_a_larger_third_batch() -> None:
     assert third.peak is not None
     assert third.peak <= budget  # measured: the plan made for batch 3 made it fit
     assert abs(third.peak - plan.estimate.steady_state.bytes) <= 0.01 * third.peak
+
+
+def test_a_failure_while_planning_again_is_one_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_memest.adapter.callback as callback
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a plan that cannot be made here")
+
+    monkeypatch.setattr(callback, "replan", broken)
+    memest = MemEstimate(max_depth=0, memory_budget=60 * MiB, checkpointing="auto")
+    with pytest.warns(UserWarning, match="planning activation checkpointing"):
+        module = _fit([512, 1024, 1024], [memest])
+    assert module.steps_run == 3  # the fit went on

@@ -367,7 +367,12 @@ class MemEstimate(LoopHooks, ModelSummary):
         runs with."""
         if self.checkpointing != "auto":
             return estimate
-        plan = replan(trainer, pl_module, self._batches, self._budget(), self._guard, estimate, self.plan)
+        plan = self._safely(  # taking a plan off or putting one on must not stop the fit either
+            "planning activation checkpointing",
+            lambda: replan(
+                trainer, pl_module, self._batches, self._budget(), self._guard, estimate, self.plan
+            ),
+        )
         if plan is None:
             return estimate
         self.plan = plan
