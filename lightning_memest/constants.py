@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Final, Literal, get_args
 
 __all__ = [
+    "COMPILE_MODES",
     "DEFAULT_BATCH_SIZE",
     "DEFAULT_CAP",
     "DEFAULT_LOSS",
@@ -37,6 +38,10 @@ __all__ = [
 #: Lightning's precision names that a step accepts.
 Precision = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 PRECISIONS: tuple[str, ...] = get_args(Precision)
+
+#: ``torch.compile`` modes a case can be compiled with (``memest ... --compile MODE``): those without
+#: CUDA graphs, which a step on fake tensors cannot capture.
+COMPILE_MODES: Final[tuple[str, ...]] = ("default", "max-autotune-no-cudagraphs")
 
 #: The losses and optimizers of a case (``cases.build_case``) by name.
 LossName = Literal["cross_entropy", "sum"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -110,3 +111,35 @@ class BatchNormMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.net(x)  # type: ignore[no-any-return]
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block, attention written out (as many research codebases do)."""
+
+    def __init__(self, d: int = 128, heads: int = 4) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.heads = heads
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-1, -2) * (d // self.heads) ** -0.5).softmax(-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        out: Tensor = x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return out
+
+
+class Net(nn.Module):
+    """Two such blocks and a head: the compiled-step tests' model (tests/test_compiled_steps.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(128, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = self.head(self.blocks(x)).mean(1)
+        return out

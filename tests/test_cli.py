@@ -814,3 +814,19 @@ def test_a_what_ifs_cuda_context_is_said_to_be_assumed_unless_given(
     code, out, err = run(capsys, "estimate", *MLP, "--device", "cuda", "--cuda-context", "1.5GiB")
     assert "(assumed)" not in out and re.search(r"^  CUDA context +1\.50 GiB", out, re.M), out
     assert run_json(capsys, "estimate", *MLP)["context_bytes_assumed"] is None  # (CPU)
+
+
+def test_compare_of_a_compiled_step_under_a_budget_is_within_one_percent() -> None:
+    # What a user runs to see what the compiler's recompute saves: the estimate simulates the compiled
+    # step (tests/test_compiled_steps.py: a quarter below the eager step's peak here), as measured.
+    case = ["cli_models:Net", "--input-shape", "64,128", "--batch-size", "8", "--loss", "sum"]
+    proc = memest("compare", *case, "--optimizer", "adamw", "--compile", "--activation-memory-budget", "0.5")
+    assert proc.returncode == 0, proc.stderr
+    assert "compiled (default), activation memory budget 0.5" in proc.stdout
+    proc = memest("compare", *case, "--compile", "--activation-memory-budget", "0.5", "--json")
+    row = json.loads(proc.stdout)[0]
+    assert all(abs(row["error_percent"][key]) <= 1.0 for key in ("first_step", "steady_state")), row
+    proc = memest("estimate", *case, "--compile")
+    assert proc.returncode == 0, proc.stderr
+    assert "compiled, simulated as compiled (2 graphs, inductor's buffer plan): (root)" in proc.stdout
+    assert_usage_error(memest("estimate", *case, "--activation-memory-budget", "0.5"), "needs --compile")

@@ -296,6 +296,9 @@ def _account(
         replayed_blocks=dict(sim.replayed_blocks) if sim.replayed_blocks else None,
         replay_note=sim.replay_note,
         compiled=sim.compiled,
+        compiled_eagerly=sim.compiled_eagerly,
+        compiled_graphs=sim.compiled_graphs,
+        compile_seconds=sim.compile_seconds,
         eval_modules=sim.eval_modules,
     )
 

@@ -36,7 +36,7 @@ import importlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,7 @@ from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.batches import resize_batch
 from lightning_memest.cases.input_check import output_shape
 from lightning_memest.constants import (
+    COMPILE_MODES,
     DEFAULT_BATCH_SIZE,
     DEFAULT_LOSS,
     DEFAULT_OPTIMIZER,
@@ -337,12 +338,15 @@ def build_case(
     optimizer: str = DEFAULT_OPTIMIZER,
     precision: str = "32-true",
     seed: int = 0,
+    compile_mode: str | None = None,
 ) -> Case:
     """Build the model of one case (seeded, so that every build gives the same weights) and check the
     input against it, on fake tensors: nothing of the batch is made yet (see :class:`Case`).
 
     Raises :class:`SpecError` for anything the settings cannot make (unknown model, bad loss or
-    optimizer name, an input the model rejects, an output cross entropy cannot use).
+    optimizer name, an input the model rejects, an output cross entropy cannot use). ``compile_mode``
+    (``"default"``, ``"max-autotune-no-cudagraphs"``) wraps the model in ``torch.compile`` after the
+    probe: the estimate simulates the compiled step, a measurement runs it.
 
     Example:
         >>> case = build_case("torch.nn:Embedding", InputSpec(batch_size=2, tokens=6, vocab=50),
@@ -371,6 +375,12 @@ def build_case(
                 f"{tuple(out_shape)} (use --loss sum)"
             )
         target, loss_fn = (tuple(out_shape[:-1]), int(out_shape[-1])), cross_entropy_loss
+    if compile_mode is not None:
+        if compile_mode not in COMPILE_MODES:
+            raise SpecError(
+                f"the compile mode must be one of {', '.join(COMPILE_MODES)}; got {compile_mode!r}"
+            )
+        model = cast(nn.Module, torch.compile(model, mode=compile_mode))
     return Case(spec, model, StepConfig(loss_fn=loss_fn, optimizer=opt, precision=prec), input, target, seed)
 
 

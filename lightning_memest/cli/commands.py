@@ -67,6 +67,8 @@ def _estimate(settings: Settings, out: TextIO) -> None:
             " cuBLAS workspace, foreach optimizers, attention backend, autocast lists; not cuDNN)",
             file=out,
         )
+    if est.compiled_note is not None:
+        print(f"  {est.compiled_note}", file=out)
     if est.replayed_blocks:
         groups = ", ".join(f"{n} of {path or 'the model'}" for path, n in est.replayed_blocks.items())
         print(f"  replayed blocks per step: {groups} (from the events of alike blocks)", file=out)

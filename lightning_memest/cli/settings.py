@@ -51,6 +51,11 @@ class Settings:
         args = self.args
         from lightning_memest.cases import build_case
 
+        if getattr(args, "activation_memory_budget", None) is not None:
+            # The compiler's own setting, read when it partitions each graph: for this command's compiles.
+            import torch._functorch.config
+
+            torch._functorch.config.activation_memory_budget = args.activation_memory_budget
         return build_case(
             spec,
             self.inputs,
@@ -58,12 +63,17 @@ class Settings:
             loss=args.loss,
             optimizer=args.optimizer,
             precision=args.precision,
+            compile_mode=getattr(args, "compile", None),
         )
 
     def describe(self) -> str:
         """The settings in one line, for the heading of a command's output."""
         args = self.args
         text = f"{self.inputs.describe()}, {args.loss}, {args.optimizer}, {args.precision}, {args.device}"
+        if getattr(args, "compile", None) is not None:
+            text += f", compiled ({args.compile})"
+            if args.activation_memory_budget is not None:
+                text += f", activation memory budget {args.activation_memory_budget:g}"
         if self.strategy is not None:
             text += f", {args.strategy} on {args.world_size} ranks, per rank"
         return text
@@ -73,6 +83,8 @@ def settings(args: argparse.Namespace) -> Settings:
     """Check the flags of ``args`` together; a :class:`SpecError` names what is wrong."""
     import torch
 
+    if getattr(args, "activation_memory_budget", None) is not None and getattr(args, "compile", None) is None:
+        raise SpecError("--activation-memory-budget is the compiler's: it needs --compile")
     if getattr(args, "calibrate", False) and args.device == "cuda" and not torch.cuda.is_available():
         raise SpecError("--calibrate measures this machine's kernels: there is no GPU here for --device cuda")
     return Settings(args, _input_spec(args), _model_kwargs(args.model_kwargs), _strategy(args), _gpu(args))

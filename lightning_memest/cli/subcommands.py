@@ -30,6 +30,7 @@ from lightning_memest.cli.flag_values import (
     whole,
 )
 from lightning_memest.constants import (
+    COMPILE_MODES,
     DEFAULT_BATCH_SIZE,
     DEFAULT_CAP,
     DEFAULT_LOSS,
@@ -106,6 +107,25 @@ def _add_case_flags(p: argparse.ArgumentParser) -> None:
         "--precision", choices=PRECISIONS, default="32-true", help="Lightning precision (default 32-true)"
     )
     p.add_argument("--device", choices=DEVICES, default="cpu", help="device (default cpu)")
+    p.add_argument(
+        "--compile",
+        nargs="?",
+        const="default",
+        choices=COMPILE_MODES,
+        default=None,
+        metavar="MODE",
+        help="torch.compile the model (mode: default, or max-autotune-no-cudagraphs); the estimate "
+        "simulates the compiled step: dynamo, AOTAutograd and inductor compile it, inductor's buffer plan "
+        "runs on fake tensors",
+    )
+    p.add_argument(
+        "--activation-memory-budget",
+        type=positive_number(1.0, " (a fraction of what the partitioner saves by default)"),
+        default=None,
+        metavar="F",
+        help="with --compile: torch._functorch.config.activation_memory_budget, the compiler's own "
+        "recompute under a budget (0 < F <= 1; 1: save what the partitioner saves by default)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON value instead of a table")
 
 

@@ -4,7 +4,7 @@ backward), what autograd saves for backward, and storages resized behind the dis
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,8 +41,19 @@ def storage_resizes(tracker: Tracker) -> Iterator[None]:
 
 
 @contextmanager
-def module_scopes(model: nn.Module, tracker: Tracker) -> Iterator[None]:
+def module_scopes(
+    model: nn.Module,
+    tracker: Tracker,
+    *,
+    inside: frozenset[int] = frozenset(),
+    in_place: tuple[nn.Module, ...] = (),
+) -> Iterator[None]:
     """Tell the tracker which module runs, in forward (module hooks) and in backward.
+
+    Modules whose ids are in ``inside`` run inside compiled code (``engine.compiled.inside_compiled``),
+    where dynamo would trace a hook into the graph: they get none, and what runs there counts to the
+    compiled module around them. A module in ``in_place`` (compiled in place: its hooks are inside its
+    compiled call) has its scope marked around that call instead, for the simulation only.
 
     A module's backward starts when the autograd node that made its output runs, and ends when the
     nodes that made its inputs run: pre-hooks on those *nodes* say so. (Hooks on the tensors, as
@@ -58,6 +69,7 @@ def module_scopes(model: nn.Module, tracker: Tracker) -> Iterator[None]:
                 found.setdefault(id(t.grad_fn), t.grad_fn)
         return list(found.values())
 
+    wrapped: list[tuple[nn.Module, Any]] = []
     for path, module in model.named_modules():
 
         def pre_hook(_: nn.Module, args: Any, kwargs: Any, path: str = path) -> None:
@@ -73,13 +85,38 @@ def module_scopes(model: nn.Module, tracker: Tracker) -> Iterator[None]:
                 for node in nodes(output):
                     node.register_prehook(lambda _, path=path: tracker.enter_module(path, backward=True))
 
-        handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-        handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+        if any(module is m for m in in_place):
+            wrapped.append((module, _scope_around_compiled_call(module, pre_hook, post_hook)))
+        elif id(module) not in inside:
+            handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
     try:
         yield
     finally:
         for h in handles:
             h.remove()
+        for module, compiled in wrapped:
+            module._compiled_call_impl = compiled
+
+
+def _scope_around_compiled_call(
+    module: nn.Module, pre: Callable[..., None], post: Callable[..., None]
+) -> Any:
+    """Run ``pre`` and ``post`` (a module's scope hooks) around ``module``'s compiled call, outside the
+    compiled frame; returns the compiled call, for ``module_scopes`` to put back."""
+    compiled: Callable[..., Any] = module._compiled_call_impl  # type: ignore[assignment]
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        pre(module, args, kwargs)
+        output = None
+        try:
+            output = compiled(*args, **kwargs)
+        finally:
+            post(module, args, kwargs, output)
+        return output
+
+    module._compiled_call_impl = call
+    return compiled
 
 
 @contextmanager

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import os
 import random
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -22,7 +23,13 @@ from torch._subclasses.fake_tensor import FakeTensor
 from lightning_memest.batches import iter_tensors, map_tensors
 from lightning_memest.engine.autograd_threads import settle_device_threads
 from lightning_memest.engine.collector import full_collections_paused
-from lightning_memest.engine.compiled import compiled_modules, eager_compiled
+from lightning_memest.engine.compiled import (
+    compile_failure,
+    compiled_modules,
+    eager_compiled,
+    inside_compiled,
+    simulated_compiles,
+)
 from lightning_memest.engine.cuda_autocast import cuda_autocast_lists
 from lightning_memest.engine.cuda_paths import cuda_code_paths
 from lightning_memest.engine.distributed import (
@@ -121,7 +128,14 @@ class Simulation:
     that failed, per container), or that the step was simulated again without replay and why; ``None``
     otherwise."""
     compiled: tuple[str, ...] = ()
-    """The modules ``torch.compile`` compiled (``engine.compiled.compiled_modules``): run eagerly here."""
+    """The modules ``torch.compile`` compiled (``engine.compiled.compiled_modules``)."""
+    compiled_eagerly: str | None = None
+    """Where compiled code ran its eager code here rather than what ``torch.compile`` made of it, why
+    (asked for: ``eager=True``, or its compile failed on fake tensors); ``None`` where it ran compiled."""
+    compiled_graphs: tuple[str, ...] = ()
+    """The inductor graphs the step ran, compiled, on fake tensors, in call order (``0_forward``...)."""
+    compile_seconds: float = 0.0
+    """Of ``seconds``, the time dynamo, AOTAutograd and inductor spent compiling (cache hits included)."""
     eval_modules: tuple[str, ...] = ()
     """The outermost modules in eval mode when the step began, simulated so (as Lightning runs them)."""
 
@@ -145,6 +159,7 @@ def simulate(
     kept: Sequence[tuple[Tensor, Role]] = (),
     companions: Sequence[nn.Module] = (),
     replay_blocks: bool = False,
+    eager: bool = False,
 ) -> Simulation:
     """Run ``steps`` training steps of ``model`` on fake tensors of ``device``; record every event.
 
@@ -171,6 +186,11 @@ def simulate(
     the values of their small integer tensors known (a counter decides the first update).
     ``replay_blocks`` replays repeated blocks where they repeat (``engine.replay.block_replay``); where a
     check fails after a block was replayed it raises ``ReplayMismatch``: simulate again without.
+    Compiled code (``torch.compile``'d modules and functions) runs as compiled: dynamo, AOTAutograd and
+    inductor compile it for real, and the buffer plan inductor generated runs on fake tensors
+    (``engine.compiled``); ``eager=True`` runs its eager code instead, as does a step whose compile
+    fails on fake tensors (simulated again eagerly: ``Simulation.compiled_eagerly`` says why). Blocks
+    inside a compiled module are not replayed (dynamo traces them).
 
     Example:
         >>> import torch
@@ -179,13 +199,59 @@ def simulate(
         >>> sim.device, sim.steps, len(sim.events) > 0
         (device(type='cpu'), 1, True)
     """
+    kwargs: dict[str, Any] = dict(
+        runner=runner,
+        device=device,
+        steps=steps,
+        capture=capture,
+        next_batches=next_batches,
+        residents=residents,
+        kept=kept,
+        companions=companions,
+        replay_blocks=replay_blocks,
+    )
+    if eager:
+        return _simulate(model, batch, config, eager=_ASKED_EAGER, **kwargs)
+    try:
+        return _simulate(model, batch, config, eager=None, **kwargs)
+    except EstimationError as exc:
+        failure = compile_failure(exc)
+        if failure is None:
+            raise
+    return _simulate(model, batch, config, eager=f"its compile failed on fake tensors: {failure}", **kwargs)
+
+
+#: ``Simulation.compiled_eagerly`` where ``eager=True`` asked for it.
+_ASKED_EAGER = "asked for (eager=True)"
+
+
+def _simulate(
+    model: nn.Module,
+    batch: Any,
+    config: StepConfig,
+    *,
+    runner: RunnerFactory,
+    device: str | torch.device | None,
+    steps: int,
+    capture: CaptureFilter | None,
+    next_batches: Sequence[Any],
+    residents: Sequence[Tensor],
+    kept: Sequence[tuple[Tensor, Role]],
+    companions: Sequence[nn.Module],
+    replay_blocks: bool,
+    eager: str | None,
+) -> Simulation:
+    """:func:`simulate`, compiled code run compiled, or eagerly where ``eager`` says why."""
     if steps < 1:
         raise ValueError(f"steps must be at least 1; got {steps}")
     target, what_if = _target_device(model, device)
     start = time.perf_counter()
     modules = ModuleNode.of(model)
     compiled, in_eval = compiled_modules(model), outermost_modules(model, lambda m: not m.training)
-    groups = repeated_blocks(model) if replay_blocks else []  # before any hook of ours is on it
+    # Nothing can be compiled in a process that never imported dynamo (torch.compile imports it).
+    as_compiled = eager is None and "torch._dynamo" in sys.modules
+    inside, in_place = inside_compiled(model) if as_compiled else (frozenset(), ())
+    groups = repeated_blocks(model) if replay_blocks and not inside else []  # before any hook of ours
     tracker = ReplayTracker(capture=capture) if groups else Tracker(capture=capture)
     mode = TrackingFakeTensorMode(tracker)
     settle_device_threads(mode)  # before the mode is first entered: no idle autograd threads
@@ -200,9 +266,10 @@ def simulate(
             stack.enter_context(cuda_autocast_lists())  # the CPU's autocast, with CUDA's op lists
         if what_if == "cuda":
             stack.enter_context(cuda_code_paths(tracker))  # CUDA's branches of composite ops
-        # torch.compile'd code runs eagerly here, and is compiled at its first real call as it would
-        # have been (engine/compiled.py). The estimate is of eager memory.
-        stack.enter_context(eager_compiled())
+        record = stack.enter_context(simulated_compiles(mode)) if as_compiled else None
+        if record is None:
+            # compiled code runs eagerly, and is compiled at its first real call as it would have been
+            stack.enter_context(eager_compiled())
         stack.enter_context(fake_module(model, converter))
         companion_reals = [t for c in companions for _, t, _ in resident_tensors(c)]
         residents = _besides(residents, companion_reals)
@@ -237,7 +304,7 @@ def simulate(
         stack.enter_context(swappable_fakes(mode))
         stack.enter_context(_quiet_fake_kernel_failures())
         stack.enter_context(mode)
-        stack.enter_context(module_scopes(model, tracker))
+        stack.enter_context(module_scopes(model, tracker, inside=inside, in_place=in_place))
         stack.enter_context(saved_tensor_tags(tracker))
         replay = stack.enter_context(block_replay(groups, tracker)) if groups else None
         updates = stack.enter_context(optimizer_replay(groups, tracker)) if groups else None
@@ -296,6 +363,9 @@ def simulate(
         replayed_updates=updates.count if updates is not None else 0,
         replay_note=_replay_note(replay),
         compiled=compiled,
+        compiled_eagerly=eager if compiled or eager not in (None, _ASKED_EAGER) else None,
+        compiled_graphs=tuple(record.graphs) if record is not None else (),
+        compile_seconds=record.seconds if record is not None else 0.0,
         eval_modules=in_eval,
     )
 

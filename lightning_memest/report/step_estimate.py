@@ -257,9 +257,18 @@ class StepEstimate:
     step was simulated again without replay and why: where a replayed estimate would have been faster;
     ``None`` otherwise."""
     compiled: tuple[str, ...] = ()
-    """The modules ``torch.compile`` compiles (their paths; ``""``: the whole model): simulated eagerly,
-    so the figures are the eager step's -- a compiled step's peak differs, in either direction. Left
-    compiled for the real run."""
+    """The modules ``torch.compile`` compiles (their paths; ``""``: the whole model), simulated as
+    compiled (``compiled_graphs``) unless ``compiled_eagerly`` says why not. Left compiled for the run."""
+    compiled_eagerly: str | None = None
+    """Where compiled code was simulated eagerly, why (asked for, or its compile failed on fake
+    tensors): the figures are then the eager step's, and a compiled step's peak differs, in either
+    direction. ``None`` where it was simulated as compiled."""
+    compiled_graphs: tuple[str, ...] = ()
+    """The graphs inductor compiled that the simulated steps ran, on fake tensors, in call order (their
+    AOT ids: ``0_forward``, ``0_backward``); empty where none ran."""
+    compile_seconds: float = 0.0
+    """Of ``estimate_seconds``, what compiling took (dynamo, AOTAutograd, inductor; cache hits are
+    fast: the run's first step finds the graphs the estimate compiled)."""
     eval_modules: tuple[str, ...] = ()
     """The outermost modules that were in eval mode, and were simulated so (no dropout, running
     statistics used): Lightning's fit runs each module in the mode the user left it in."""
@@ -273,6 +282,26 @@ class StepEstimate:
             f"<StepEstimate {self.device} {self.precision}: {peaks}{flops}; {modules:,} modules, "
             f"{len(self.timeline):,} timeline points{approximate}>"
         )
+
+    @property
+    def compiled_note(self) -> str | None:
+        """How compiled code was simulated, in a line (``None`` where the step compiled nothing).
+
+        >>> StepEstimate.__new__(StepEstimate).compiled_note is None  # (an estimate of an eager step)
+        True
+        """
+        names = ", ".join(m or "(root)" for m in self.compiled)
+        if self.compiled_eagerly is not None:
+            why = f"{self.compiled_eagerly}; a compiled step's peak differs"
+            return f"compiled, simulated eagerly ({why}): {names}"
+        if not self.compiled_graphs:
+            return f"compiled, simulated as its backend runs it: {names}" if self.compiled else None
+        graphs = len(set(self.compiled_graphs))
+        plan = "inductor's buffer plan"
+        if self.approximate:
+            plan = "inductor's CPU buffer plan: a CUDA what-if compiles for the CPU"
+        where = f": {names}" if names else ""
+        return f"compiled, simulated as compiled ({graphs} graphs, {plan}){where}"
 
     def __str__(self) -> str:
         """A few lines for people: the peaks, what the higher one holds, the FLOPs, the caveats."""
@@ -296,9 +325,8 @@ class StepEstimate:
             lines.append(f"  with cuDNN's smallest convolution workspaces the step runs in {least} (slower)")
         if self.cudnn_workspace_assumed:
             lines.append(f"  {CUDNN_WORKSPACE_ASSUMED}")
-        if self.compiled:
-            compiled = ", ".join(m or "(root)" for m in self.compiled)
-            lines.append(f"  compiled, simulated eagerly (a compiled step's peak differs): {compiled}")
+        if self.compiled_note is not None:
+            lines.append(f"  {self.compiled_note}")
         if self.eval_modules and self.loop == "train":
             lines.append(
                 f"  in eval mode, simulated so: {', '.join(m or '(root)' for m in self.eval_modules)}"
@@ -390,6 +418,9 @@ class StepEstimate:
             "replayed_blocks": self.replayed_blocks,
             "replay_note": self.replay_note,
             "compiled": list(self.compiled),
+            "compiled_eagerly": self.compiled_eagerly,
+            "compiled_graphs": list(self.compiled_graphs),
+            "compile_seconds": round(self.compile_seconds, 4),
             "eval_modules": list(self.eval_modules),
             "phase_marks": [
                 {
