@@ -48,6 +48,7 @@ def test_a_compiled_step_under_an_activation_budget_is_estimated_as_measured_and
     # cold cache: the estimate compiles first, the run's compile must find its graphs.
     with torch._functorch.config.patch(activation_memory_budget=0.5), temporary_cache_dir(str(tmp_path)):
         torch._dynamo.reset()
+        counters.clear()  # what earlier tests in this process compiled
         compiled = torch.compile(net)
         est = estimate_step(compiled, batch, loss_fn=_loss, optimizer=torch.optim.AdamW)  # type: ignore[arg-type]
         assert dict(counters["frames"]) == {} and dict(counters["aot_autograd"]) == {}  # nothing left

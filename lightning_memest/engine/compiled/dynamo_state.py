@@ -78,13 +78,10 @@ def simulated_compiles(mode: TrackingFakeTensorMode) -> Iterator[CompileRecord]:
     """
     import torch._dynamo.convert_frame as convert_frame
     import torch._dynamo.eval_frame as eval_frame
-    import torch._inductor.compile_fx as compile_fx
     from torch._dynamo import pgo
     from torch._dynamo.output_graph import OutputGraph
     from torch._dynamo.utils import counters
     from torch._functorch._aot_autograd.runtime_wrappers import _AutogradBackwardCompiler
-
-    from lightning_memest.engine.compiled.fake_graphs import inductor_graphs_on_fake
 
     record = CompileRecord()
     region = _region(eval_frame)
@@ -106,32 +103,49 @@ def simulated_compiles(mode: TrackingFakeTensorMode) -> Iterator[CompileRecord]:
     def compile_frame(code: CodeType, *args: Any, **kwargs: Any) -> Any:
         codes[id(code)] = code
         record.frames += 1
+        inductor()
         return trace(code, *args, **kwargs)
 
     def call_user_compiler(graph: Any, gm: Any, example_inputs: Any) -> Any:
         _as_run_types(gm, example_inputs)
         return user_compiler(graph, gm, example_inputs)
 
+    def inductor() -> None:
+        """Inductor's parts, patched at the first compile (importing inductor takes seconds; a process
+        that compiles nothing, as most Lightning processes, which import dynamo, never pays for it) --
+        or at once where inductor was imported: a graph compiled before might run here."""
+        if on_fake:
+            return
+        import torch._inductor.compile_fx as compile_fx
+
+        from lightning_memest.engine.compiled.fake_graphs import inductor_graphs_on_fake
+
+        stack.enter_context(inductor_graphs_on_fake(record.graphs.append))
+        on_fake.append(True)
+        patch(compile_fx, "_compile_fx_inner", paused(compile_fx._compile_fx_inner))
+
+    def patch(owner: Any, name: str, value: Any) -> None:
+        originals.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
+
+    on_fake: list[bool] = []
+    originals: list[tuple[Any, str, Any]] = []
     trace = paused(convert_frame._compile)
     user_compiler = OutputGraph.call_user_compiler
     set_region = getattr(eval_frame, "set_eval_frame_isolate_recompiles_id")  # noqa: B009 (not exported)
-    patches: list[tuple[Any, str, Any]] = [
-        (convert_frame, "_compile", compile_frame),
-        (OutputGraph, "call_user_compiler", call_user_compiler),
-        (eval_frame, "set_eval_frame_isolate_recompiles_id", lambda _: set_region(region)),
-        (compile_fx, "_compile_fx_inner", paused(compile_fx._compile_fx_inner)),
-        (_AutogradBackwardCompiler, "get_or_compile", paused(_AutogradBackwardCompiler.get_or_compile)),
-    ]
-    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     previous_region = set_region(region)  # frames entered by graph breaks outside a compiled call
     with ExitStack() as stack:
-        stack.enter_context(inductor_graphs_on_fake(record.graphs.append))
-        for owner, name, value in patches:
-            setattr(owner, name, value)
         try:
+            patch(convert_frame, "_compile", compile_frame)
+            patch(OutputGraph, "call_user_compiler", call_user_compiler)
+            patch(eval_frame, "set_eval_frame_isolate_recompiles_id", lambda _: set_region(region))
+            backward = _AutogradBackwardCompiler
+            patch(backward, "get_or_compile", paused(backward.get_or_compile))  # AOT's lazy backward
+            if "torch._inductor.output_code" in sys.modules:
+                inductor()
             yield record
         finally:
-            for owner, name, value in originals:
+            for owner, name, value in reversed(originals):
                 setattr(owner, name, value)
             set_region(previous_region)
             _invalidate(codes.values(), region)
