@@ -55,7 +55,9 @@ def test_a_compiled_step_under_an_activation_budget_is_estimated_as_measured_and
         measured = measure_step(compiled, batch, config)
         run = dict(counters["aot_autograd"])
     assert est.compiled == ("",) and est.compiled_eagerly is None
-    assert est.compiled_graphs.count("0_forward") == 2 and est.compiled_graphs.count("0_backward") == 2
+    # (AOT ids number the process's graphs: "0_forward" alone, "3_forward" after other tests' compiles)
+    kinds = [g.split("_", 1)[1] for g in est.compiled_graphs]
+    assert kinds.count("forward") == 2 and kinds.count("backward") == 2, est.compiled_graphs
     pairs = ((est.first_step.bytes, measured.first_step), (est.steady_state.bytes, measured.steady_state))
     for e, m in pairs:
         assert abs(_error(e, m)) <= TOLERANCE, (e, m)
