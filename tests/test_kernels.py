@@ -960,3 +960,22 @@ def test_dense_convolution_backward_below_avx2_runs_as_gemm() -> None:
     assert isa == cpu.SSE41
     for spec, (measured, modelled) in zip(specs, rows, strict=True):
         assert abs(modelled - measured) <= 128, (spec, measured, modelled)
+
+
+def test_avx2_backward_weights_of_a_kernel_taller_than_the_map_or_14_wide_runs_as_gemm() -> None:
+    # AVX2's blocked backward-weights kernel takes no kernel taller than the map and none 14 or wider:
+    # oneDNN runs those as im2col GEMM, with a weight-sized working set per thread (ResNet-18's 512 ->
+    # 512 layer on the 2x2 maps of 64 px images: its step read -18.9 % as blocked; a 14x14 patch
+    # embedding -48 %). Measured on an AVX2 EPYC and with oneDNN capped to AVX2 elsewhere; a kernel as
+    # tall as the map stays blocked.
+    specs = [
+        (512, 512, 2, 3, 1, 1, False, [True, True, False]),
+        (64, 64, 4, 5, 1, 1, False, [True, True, False]),
+        (64, 64, 3, 3, 1, 1, False, [True, True, False]),
+        (3, 96, 224, 14, 14, 1, False, [False, True, False]),
+    ]
+    isa, rows = _conv_backwards({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}, specs)
+    assert isa == cpu.OTHER
+    for spec, (measured, modelled) in zip(specs, rows, strict=True):
+        assert abs(modelled - measured) <= 128, (spec, measured, modelled)
+    assert rows[0][0] > 4 * 512 * 512 * 9 * 4  # (a set of four weight-sized buffers, or more)
