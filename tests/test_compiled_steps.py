@@ -55,6 +55,7 @@ def test_a_compiled_step_under_an_activation_budget_is_estimated_as_measured_and
         measured = measure_step(compiled, batch, config)
         run = dict(counters["aot_autograd"])
     assert est.compiled == ("",) and est.compiled_eagerly is None
+    assert 0.0 < est.compile_seconds <= est.estimate_seconds  # (inductor's compile, inside dynamo's, once)
     # (AOT ids number the process's graphs: "0_forward" alone, "3_forward" after other tests' compiles)
     kinds = [g.split("_", 1)[1] for g in est.compiled_graphs]
     assert kinds.count("forward") == 2 and kinds.count("backward") == 2, est.compiled_graphs

@@ -92,11 +92,14 @@ def simulated_compiles(mode: TrackingFakeTensorMode) -> Iterator[CompileRecord]:
     def paused(fn: Callable[..., Any]) -> Callable[..., Any]:
         def compiling(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
+            depth.append(True)
             try:
                 with mode.untracked(), _disable_current_modes():
                     return fn(*args, **kwargs)
             finally:
-                record.seconds += time.perf_counter() - start
+                depth.pop()
+                if not depth:  # (inductor's compile runs inside dynamo's: counted once)
+                    record.seconds += time.perf_counter() - start
 
         return compiling
 
@@ -129,6 +132,7 @@ def simulated_compiles(mode: TrackingFakeTensorMode) -> Iterator[CompileRecord]:
         setattr(owner, name, value)
 
     on_fake: list[bool] = []
+    depth: list[bool] = []
     originals: list[tuple[Any, str, Any]] = []
     trace = paused(convert_frame._compile)
     user_compiler = OutputGraph.call_user_compiler
