@@ -7,10 +7,11 @@
    the collective's tensors die on the main thread, where the profiler records the free. Unsettled
    runs show the instrument's error when the last reference dies on gloo's thread instead: the free
    goes unrecorded and the running sum stays high (a measurement artifact, not memory the rank holds).
-2. A 7B decoder (32 layers, d_model 4096, sequence 2048) built on the meta device: FSDP2 on 8 GPUs
+2. The same job with its blocks compiled (``block.compile()``), measured and estimated per rank.
+3. A 7B decoder (32 layers, d_model 4096, sequence 2048) built on the meta device: FSDP2 on 8 GPUs
    (bf16 parameters, fp32 reduction, AdamW), rank 0, as a CUDA what-if on this CPU-only machine.
 
-Run: ``python benchmarks/distributed.py`` (about a minute on 2 cores).
+Run: ``python benchmarks/distributed.py`` (a few minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -66,6 +67,35 @@ def accuracy(unsettled_repeats: int = 3) -> None:
                 )
 
 
+def compiled_blocks() -> None:
+    """The same job with each block compiled in place (``block.compile()``, the blockwise recipe of
+    large jobs), every rank a fresh process; the estimate of each rank, each in a fresh process too
+    (the first compiled estimate of a process: see docs/compiled.md)."""
+    import json
+    import subprocess
+
+    print("\n| strategy, blocks compiled | rank | step | estimate | measured (settled) | error |")
+    print("|---|---|---|---|---|---|")
+    for name, make in (("DDP", DDP), ("FSDP", FSDP)):
+        measured = dist_worker.run_ranks(make(2), _port(), compiled=True)
+        for rank in (0, 1):
+            code = (
+                "import json, sys, torch; sys.path.insert(0, sys.argv[1]); torch.set_num_threads(1)\n"
+                "from lightning_memest import DDP, FSDP, estimate_step\n"
+                "from tests import dist_worker\n"
+                f"est = estimate_step(dist_worker.build_compiled(), dist_worker.batch(), "
+                f"optimizer=dist_worker.optimizer, strategy={name}(2, rank={rank}))\n"
+                "print(json.dumps([p.bytes for p in est.peaks]))"
+            )
+            done = subprocess.run(
+                [sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, check=True
+            )
+            peaks = json.loads(done.stdout.strip().splitlines()[-1])
+            for step, label in enumerate(("first", "steady")):
+                e, m = peaks[step], measured[rank][step]
+                print(f"| {name} | {rank} | {label} | {mib(e)} | {mib(m)} | {100 * (e - m) / m:+.3f} % |")
+
+
 def seven_b() -> None:
     with torch.device("meta"):
         model = TinyGPT(n_layers=32, d_model=4096, n_heads=32, vocab=32000, seq_len=2048)
@@ -101,4 +131,5 @@ if __name__ == "__main__":
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     ).parse_args()
     accuracy()
+    compiled_blocks()
     seven_b()

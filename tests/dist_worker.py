@@ -25,6 +25,14 @@ def build() -> torch.nn.Module:
     return TinyGPT(n_layers=LAYERS)
 
 
+def build_compiled() -> torch.nn.Module:
+    """The model with each block compiled in place (the blockwise recipe of large jobs)."""
+    model = build()
+    for block in model.blocks:  # type: ignore[union-attr]
+        block.compile()
+    return model
+
+
 def batch() -> torch.Tensor:
     return lm_batch(BATCH)[0]
 
@@ -67,7 +75,9 @@ def settle_collectives() -> None:
     work._memest_settled = True
 
 
-def _rank(rank: int, world: int, port: int, strategy: Strategy, settle: bool, out: Any) -> None:
+def _rank(
+    rank: int, world: int, port: int, strategy: Strategy, settle: bool, compiled: bool, out: Any
+) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -75,19 +85,23 @@ def _rank(rank: int, world: int, port: int, strategy: Strategy, settle: bool, ou
         settle_collectives()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        m = measure_step(build, batch(), StepConfig(optimizer=optimizer, strategy=strategy), steps=2)
+        model = build_compiled if compiled else build
+        m = measure_step(model, batch(), StepConfig(optimizer=optimizer, strategy=strategy), steps=2)
         out.put((rank, m.peak_bytes))
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(strategy: Strategy, port: int, settle: bool = True) -> dict[int, tuple[int, ...]]:
+def run_ranks(
+    strategy: Strategy, port: int, settle: bool = True, compiled: bool = False
+) -> dict[int, tuple[int, ...]]:
     """Each rank's measured peaks (first step, steady state) of a real ``strategy.world_size`` run
-    (``settle``: frees in program order, see :func:`settle_collectives`)."""
+    (``settle``: frees in program order, see :func:`settle_collectives`; ``compiled``: the blocks
+    compiled, :func:`build_compiled`)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=_rank, args=(r, strategy.world_size, port, strategy, settle, out))
+        ctx.Process(target=_rank, args=(r, strategy.world_size, port, strategy, settle, compiled, out))
         for r in range(strategy.world_size)
     ]
     for p in procs:
