@@ -946,6 +946,16 @@ def test_depthwise_channels_last_backward_pads_each_group_to_a_block(caps: dict[
     assert measured == (block * block + 1) * 96 * 49 * 4
 
 
+def _modelled_as_measured(caps: dict[str, str], isa: str, specs: list[tuple[object, ...]]) -> list[list[int]]:
+    """[measured, modelled] per spec under ``caps`` (whose kernel models are ``isa``'s), each pair within
+    oneDNN's 128 B of scratchpad alignment."""
+    found, rows = _conv_backwards(caps, specs)
+    assert found == isa
+    for spec, (measured, modelled) in zip(specs, rows, strict=True):
+        assert abs(modelled - measured) <= 128, (spec, measured, modelled)
+    return rows
+
+
 def test_dense_convolution_backward_below_avx2_runs_as_gemm() -> None:
     # Below AVX2 oneDNN has blocked forward kernels but no blocked backward ones for dense convolutions:
     # both passes run as im2col GEMM (one group's columns; none for 1x1 stride 1). Measured with oneDNN
@@ -956,10 +966,7 @@ def test_dense_convolution_backward_below_avx2_runs_as_gemm() -> None:
         (256, 64, 14, 1, 1, 1, False, [True, True, True]),
         (64, 64, 28, 3, 1, 4, False, [True, True, True]),
     ]
-    isa, rows = _conv_backwards({"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}, specs)
-    assert isa == cpu.SSE41
-    for spec, (measured, modelled) in zip(specs, rows, strict=True):
-        assert abs(modelled - measured) <= 128, (spec, measured, modelled)
+    _modelled_as_measured({"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}, cpu.SSE41, specs)
 
 
 def test_avx2_backward_weights_of_a_kernel_taller_than_the_map_or_14_wide_runs_as_gemm() -> None:
@@ -974,8 +981,7 @@ def test_avx2_backward_weights_of_a_kernel_taller_than_the_map_or_14_wide_runs_a
         (64, 64, 3, 3, 1, 1, False, [True, True, False]),
         (3, 96, 224, 14, 14, 1, False, [False, True, False]),
     ]
-    isa, rows = _conv_backwards({"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}, specs)
-    assert isa == cpu.OTHER
-    for spec, (measured, modelled) in zip(specs, rows, strict=True):
-        assert abs(modelled - measured) <= 128, (spec, measured, modelled)
+    rows = _modelled_as_measured(
+        {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}, cpu.OTHER, specs
+    )
     assert rows[0][0] > 4 * 512 * 512 * 9 * 4  # (a set of four weight-sized buffers, or more)
