@@ -1,4 +1,5 @@
-"""Python's cyclic garbage collector during a simulation: young collections run, full ones wait.
+"""Python's cyclic garbage collector during a simulation: off while its steps run
+(:func:`collector_off`), and, for the walks around them, young collections run, full ones wait.
 
 A simulation makes tens of thousands of long-lived objects (its events, the fake tensors' records)
 while the process already holds hundreds of thousands (torch, the user's model and data). Python
@@ -28,7 +29,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["full_collections_paused"]
+__all__ = ["collector_off", "full_collections_paused"]
 
 #: The oldest generation's threshold inside: more young collections than any simulation runs.
 _NEVER = 1 << 30
@@ -54,3 +55,28 @@ def full_collections_paused() -> Iterator[None]:
         yield
     finally:
         gc.set_threshold(*thresholds)
+
+
+@contextmanager
+def collector_off() -> Iterator[None]:
+    """Inside, no cyclic collection at all: what a simulation's steps run under, as a measurement's run
+    (``allocator_events.quiet_gc``). A collection that falls due in the middle of a step (the
+    simulation's own objects make them fall due far more often than the run's) can leave a tensor's
+    Python object owned by its C++ side, and with it the storage alive past its last use: measured on
+    FSDP2 with compiled blocks, two 1 MiB activations never freed, +2.0 % at the steady state, in
+    whichever process the collection fell in. The collector is back on, as it was, on every way out;
+    what the steps left in cycles is collected then.
+
+    >>> import gc
+    >>> with collector_off():
+    ...     gc.isenabled()
+    False
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

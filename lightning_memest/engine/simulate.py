@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_memest.batches import iter_tensors, map_tensors
 from lightning_memest.engine.autograd_threads import settle_device_threads
-from lightning_memest.engine.collector import full_collections_paused
+from lightning_memest.engine.collector import collector_off
 from lightning_memest.engine.compiled import (
     compile_failure,
     compiled_modules,
@@ -258,7 +258,7 @@ def _simulate(
     precision, strategy = config.precision, config.strategy
     converter = FakeConverter(mode, target, true_dtype(precision))
     with ExitStack() as stack:
-        stack.enter_context(full_collections_paused())  # engine/collector.py: no walk of the heap
+        stack.enter_context(collector_off())  # engine/collector.py: no collection inside a step
         stack.enter_context(_preserved_rng())
         if target.type == "cuda" or what_if == "cuda":
             stack.enter_context(_cuda_optimizer_defaults(what_if=what_if == "cuda"))
