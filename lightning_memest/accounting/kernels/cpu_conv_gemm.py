@@ -107,15 +107,15 @@ def gemm_passes(
         # Below AVX2 oneDNN has no blocked backward kernels for dense convolutions (depthwise ones keep
         # theirs): both backward passes run as GEMM (ONEDNN_VERBOSE: jit:sse41 forward, gemm:jit backward).
         return GemmPasses(forward=False, data=True, weights=True)
-    if len(x.shape) == 4 and isa() == OTHER and not depthwise and x.itemsize == 4:
-        # AVX2's blocked backward-weights kernel (jit_avx2_conv_bwd_weights_kernel_f32::init_conf) takes
-        # no dilation and no kernel taller than the map (``kh <= ih``; a wider one it takes). Measured on
-        # an AVX2 EPYC (ONEDNN_VERBOSE): 3x3 on 2x2 maps, 5x5 on 4x4, 7x7 on 6x6, any dilation: gemm:jit;
-        # 3x3 on 3x3 and on 4x2 (H x W): jit:avx2. ResNet-18's 512 -> 512 layer on 2x2 maps (64 px
-        # images) holds two weight-sized working sets per thread: 75,645,184 B, the step's peak.
-        weights = groups == 1 and ((w.shape[2] - 1) * dil[0] + 1 > x.shape[2] or max(dil) > 1)
-        if groups != 1 or max(dil) <= 1:
-            return GemmPasses(weights=weights)  # (grouped ones measured only as the AVX-512 kernels)
+    # AVX2's blocked backward-weights kernel (jit_avx2_conv_bwd_weights_kernel_f32::init_conf) takes
+    # no dilation and no kernel taller than the map (``kh <= ih``; a wider one it takes). Measured on
+    # an AVX2 EPYC (ONEDNN_VERBOSE): 3x3 on 2x2 maps, 5x5 on 4x4, 7x7 on 6x6, any dilation: gemm:jit;
+    # 3x3 on 3x3 and on 4x2 (H x W): jit:avx2. ResNet-18's 512 -> 512 layer on 2x2 maps (64 px
+    # images) holds two weight-sized working sets per thread: 75,645,184 B, the step's peak.
+    avx2 = len(x.shape) == 4 and isa() == OTHER and not depthwise and x.itemsize == 4
+    if avx2 and (groups != 1 or max(dil) <= 1):
+        # (grouped ones measured only as the AVX-512 kernels)
+        return GemmPasses(weights=groups == 1 and w.shape[2] > x.shape[2])
     if groups != 1 or max(dil) <= 1 or len(x.shape) != 4:
         return GemmPasses()
     ih, iw = x.shape[2:]
@@ -139,7 +139,7 @@ def gemm_passes(
     l_overflow = max(0, (kw - 1) * dw - pw) // sw
     r_overflow = max(0, (kw - 1) * dw - max(0, r_pad)) // sw
     data = strided or outside or max(l_overflow, r_overflow) > min(iw, 28)
-    weights = strided or ext_kh > ih or (isa() == OTHER and x.itemsize == 4)
+    weights = strided or ext_kh > ih or avx2
     return GemmPasses(forward, data, weights)
 
 
