@@ -69,8 +69,8 @@ def accuracy(unsettled_repeats: int = 3) -> None:
 
 def compiled_blocks() -> None:
     """The same job with each block compiled in place (``block.compile()``, the blockwise recipe of
-    large jobs), every rank a fresh process; the estimate of each rank, each in a fresh process too
-    (the first compiled estimate of a process: see docs/compiled.md)."""
+    large jobs), every rank a fresh process; the estimate of each rank in a fresh process too, as each
+    rank of a job makes its own."""
     import json
     import subprocess
 

@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from lightning_memest.engine.collector import collector_off
+
 __all__ = ["AllocatorTimeline", "CpuMemoryProfile", "Window", "quiet_gc", "window_figures"]
 
 
@@ -132,13 +134,8 @@ def quiet_gc() -> Iterator[None]:
     the collector off until the work is measured; it is turned back on on every exit path.
     """
     gc.collect()
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with collector_off():
         yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 @dataclass(frozen=True)

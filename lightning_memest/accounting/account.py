@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
@@ -60,7 +59,7 @@ from lightning_memest.accounting.replay import (
     final_roles,
     walk,
 )
-from lightning_memest.engine.collector import full_collections_paused
+from lightning_memest.engine.collector import collector_off, full_collections_paused
 from lightning_memest.engine.events import OpEvent, Phase, Role
 from lightning_memest.engine.simulate import Simulation
 from lightning_memest.engine.tracker import CaptureFilter
@@ -76,18 +75,12 @@ def _without_cyclic_gc(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """``fn`` with the cyclic garbage collector paused: a walk makes an object or more per event, and
     the collector's full collections of a heap holding a simulation's events (~0.3 s each with torch
     loaded) had taken two thirds of a 32-layer decoder's accounting (0.34 -> 0.12 s). Nothing here
-    depends on when garbage is collected (the simulation, whose frees follow the tensors' lives,
-    keeps the collector on); what a walk leaves is collected once it is back."""
+    depends on when garbage is collected; what a walk leaves is collected once it is back."""
 
     @functools.wraps(fn)
     def paused(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        if not gc.isenabled():
+        with collector_off():
             return fn(*args, **kwargs)
-        gc.disable()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            gc.enable()
 
     return paused
 

@@ -14,7 +14,6 @@ kernel's empty stand-in for a real buffer) from reading past the end of an input
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +25,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_memest.accounting.kernels.model import CPU_KERNELS, CUDA_KERNELS, KernelMemory
 from lightning_memest.allocator_events import CpuMemoryProfile, window_figures
+from lightning_memest.engine.collector import collector_off
 from lightning_memest.engine.events import OpCall, TensorMeta
 from lightning_memest.engine.real_ops import zeros_strided
 
@@ -154,20 +154,6 @@ class _Unsafe(Exception):
     """An op left alone: an input of it would be a placeholder of unknown real size (see ``_Guard``)."""
 
 
-@contextmanager
-def _gc_off() -> Iterator[None]:
-    """No cyclic garbage collection while the ops run: a collection inside an op's window would free
-    older blocks there. Without ``quiet_gc``'s collection first (half a second after a simulation):
-    with the collector off, nothing but the ops themselves frees anything inside a window."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def measure_cpu(calls: Sequence[OpCall], guard: Guard) -> list[KernelMemory | BaseException | None]:
     """Each call run alone on the CPU, inside one profiler of the allocator's events: inputs are made
     before the op's window, outputs dropped after it."""
@@ -175,7 +161,10 @@ def measure_cpu(calls: Sequence[OpCall], guard: Guard) -> list[KernelMemory | Ba
     outcomes: list[tuple[_Sizes, set[int]] | BaseException] = []
     # Aligned for any dtype: a view's offset is 0.
     pool = torch.zeros(max((_read_only_bytes(c) for c in calls), default=0), dtype=torch.uint8)
-    with _gc_off(), CpuMemoryProfile() as prof:
+    # No cyclic collection while the ops run: one inside an op's window would free older blocks there
+    # (without quiet_gc's collection first: half a second after a simulation; with the collector off,
+    # nothing but the ops themselves frees anything inside a window).
+    with collector_off(), CpuMemoryProfile() as prof:
         for i, call in enumerate(calls):
             failure: BaseException | None = None if guard.safe(call) else _Unsafe(str(call.op))
             args: Any = ()
