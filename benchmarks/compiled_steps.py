@@ -5,7 +5,8 @@ Each model from its config (no weights downloaded), AdamW, 32-true, ``torch.comp
 default mode), at the partitioner's default and under ``activation_memory_budget`` 0.5; each case in a
 fresh process with a cache directory of its own, so every compile starts cold:
 
-    python benchmarks/compiled_steps.py [--models gpt2,resnet34,vit_s] [--budgets 1.0,0.5] [--fits] [--json]
+    python benchmarks/compiled_steps.py [--models gpt2,resnet34,vit_s] [--budgets 1.0,0.5] [--fits]
+        [--advice 0.8] [--json]
 
 Per step case: the estimate (``estimate_step`` of the compiled model), then two real compiled steps
 measured by the CPU profiler's allocator events (``measure_step``; the estimate compiled first, so the
@@ -16,7 +17,11 @@ compiled fit, its own check after the first steps, and whether the weights and d
 are the same. Inductor's CPU code for an embedding's backward adds into the gradient atomically from
 every thread, so GPT-2's weights may differ in the last bits between any two fits, with or without the
 callback; ``--deterministic`` (``Trainer(deterministic=True)``, where inductor generates no atomic
-adds) compares them bit for bit.
+adds) compares them bit for bit. With ``--advice F``, per model the advice for a memory budget of F
+times the compiled step's estimated peak (``plan_compiled_budget``: the highest
+``activation_memory_budget`` that fits, each value tried re-simulated), and every value tried measured
+(a fresh compile of the model under it): the value offered fits as measured, and each value above it
+was over the budget as measured too.
 """
 
 from __future__ import annotations
@@ -169,6 +174,51 @@ def run_fit(name: str, callback: bool, deterministic: bool = False) -> dict[str,
     return row
 
 
+def run_advice(name: str, fraction: float) -> dict[str, Any]:
+    """The advice for a budget of ``fraction`` of the compiled step's estimated peak, and every value it
+    tried measured, in this process (a fresh one, its own cache directory)."""
+    import copy
+    import tempfile
+    import time
+
+    import torch
+    import torch._functorch.config
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    from lightning_memest import plan_compiled_budget
+    from lightning_memest.engine.step import StepConfig
+    from lightning_memest.measure import measure_step
+
+    model, batch, loss = _case(name)
+    config = StepConfig(loss_fn=loss, optimizer=torch.optim.AdamW)
+    with temporary_cache_dir(tempfile.mkdtemp()):
+        compiled: Any = torch.compile(copy.deepcopy(model))
+        args = {"loss_fn": loss, "optimizer": torch.optim.AdamW}
+        baseline = plan_compiled_budget(compiled, batch, 2**50, **args).baseline
+        budget = int(fraction * baseline.peak_bytes)
+        start = time.perf_counter()
+        found = plan_compiled_budget(compiled, batch, budget, **args)
+        seconds = time.perf_counter() - start
+        measured = {}
+        for trial in found.trials:
+            torch._dynamo.reset()
+            with torch._functorch.config.patch(activation_memory_budget=trial.value):
+                m = measure_step(torch.compile(copy.deepcopy(model)), batch, config)
+            measured[str(trial.value)] = max(m.first_step, m.steady_state)
+    return {
+        "model": name,
+        "fraction": fraction,
+        "budget_bytes": budget,
+        "baseline_peak_bytes": baseline.peak_bytes,
+        "value": found.value,
+        "seconds": seconds,
+        "trials": [
+            {"value": t.value, "estimated": t.peak_bytes, "measured": measured[str(t.value)]}
+            for t in found.trials
+        ],
+    }
+
+
 def _pct(a: int, b: int) -> str:
     return f"{100.0 * (a - b) / b:+.2f} %"
 
@@ -197,18 +247,29 @@ def main() -> None:
     parser.add_argument(
         "--deterministic", action="store_true", help="the fits under Trainer(deterministic=True)"
     )
+    parser.add_argument(
+        "--advice",
+        type=float,
+        default=None,
+        metavar="F",
+        help="also the compiler's-budget advice per model, for a budget of F times its compiled peak",
+    )
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    parser.add_argument("--case", help=argparse.SUPPRESS)  # step,name,budget | fit,name,0/1: one case
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # step,name,budget | fit,name,0/1 | advice,name,F
     args = parser.parse_args()
     if args.case:
         kind, name, value, *det = args.case.split(",")
-        row = run_case(name, float(value)) if kind == "step" else run_fit(name, value == "1", bool(det))
+        if kind == "advice":
+            row = run_advice(name, float(value))
+        else:
+            row = run_case(name, float(value)) if kind == "step" else run_fit(name, value == "1", bool(det))
         print(json.dumps(row))
         return
     names = args.models.split(",")
     cases = [f"step,{n},{b}" for n in names for b in args.budgets.split(",") if b]
     det = ",det" if args.deterministic else ""
     cases += [f"fit,{n},{c}{det}" for n in names for c in ("0", "1")] if args.fits else []
+    cases += [f"advice,{n},{args.advice}" for n in names] if args.advice is not None else []
     rows = []
     for case in cases:
         proc = subprocess.run(
@@ -236,6 +297,18 @@ def main() -> None:
             f"{_mib(g['steady_state'])} (compiled {_pct(m['steady_state'], g['steady_state'])}) | "
             f"{r['graphs']} |"
         )
+    advice = [r for r in rows if "fraction" in r]
+    if advice:
+        print()
+        print("| model | budget | value offered | each value tried: estimated / measured | advice s |")
+        print("|---|---|---|---|---|")
+    for r in advice:
+        tried = "; ".join(
+            f"{t['value']:g}: {_mib(t['estimated'])} / {_mib(t['measured'])}" for t in r["trials"]
+        )
+        budget = f"{_mib(r['budget_bytes'])} ({r['fraction']:g} of {_mib(r['baseline_peak_bytes'])})"
+        offered = "none" if r["value"] is None else f"{r['value']:g}"
+        print(f"| {r['model']} | {budget} | {offered} | {tried} | {r['seconds']:.0f} |")
     fits = {(r["model"], r["callback"]): r for r in rows if "callback" in r}
     if not fits:
         return

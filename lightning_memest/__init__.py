@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from lightning_memest.engine.distributed import DDP, FSDP
     from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError, SpecError, TraceError
     from lightning_memest.estimate import estimate_step
-    from lightning_memest.plan import CheckpointPlan, plan_checkpointing
+    from lightning_memest.plan import CheckpointPlan, CompiledBudget, plan_checkpointing, plan_compiled_budget
     from lightning_memest.report import (
         Breakdown,
         DataDependentRead,
@@ -33,6 +33,7 @@ __all__ = [
     "BatchSizeResult",
     "Breakdown",
     "CheckpointPlan",
+    "CompiledBudget",
     "CudaCachingAllocator",
     "DataDependentRead",
     "EstimationError",
@@ -49,6 +50,7 @@ __all__ = [
     "estimate_step",
     "max_batch_size",
     "plan_checkpointing",
+    "plan_compiled_budget",
 ]
 __version__ = "0.1.0.dev0"
 
@@ -61,6 +63,7 @@ _LAZY = {
     "BatchSizeResult": "lightning_memest.search",
     "Breakdown": "lightning_memest.report",
     "CheckpointPlan": "lightning_memest.plan",
+    "CompiledBudget": "lightning_memest.plan",
     "CudaCachingAllocator": "lightning_memest.accounting.cuda_allocator",
     "DataDependentRead": "lightning_memest.report",
     "EstimationError": "lightning_memest.errors",
@@ -77,6 +80,7 @@ _LAZY = {
     "estimate_step": "lightning_memest.estimate",
     "max_batch_size": "lightning_memest.search",
     "plan_checkpointing": "lightning_memest.plan",
+    "plan_compiled_budget": "lightning_memest.plan",
 }
 
 

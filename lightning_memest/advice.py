@@ -3,11 +3,14 @@
 When a step does not fit, the user's next question is what to change. :func:`advise` answers with
 every option it can estimate *as the step itself was estimated* (``sizing.SizedStep``: the same other
 live tensors, calibration, loop): the largest batch size that fits; an activation-checkpointing plan
-(``plan.plan_step``: solved, then simulated with the plan applied); other variants of the step the
-caller can build -- ``bf16-mixed`` for a ``32-true`` run, FSDP over the GPUs there are. An option is
-offered only where its estimate fits. They come cheapest first: the batch size and the plan by what
-they cost a step (the share of samples given up, the share of FLOPs run again), then the variants,
-whose cost is not in FLOPs (numerics, communication), in the order given.
+(``plan.plan_step``: solved, then simulated with the plan applied); for a compiled step, the compiler's
+own recompute (``plan.compiled_budget``: the highest ``activation_memory_budget`` that fits, each value
+tried re-simulated, compile included); other variants of the step the caller can build --
+``bf16-mixed`` for a ``32-true`` run, FSDP over the GPUs there are. An option is offered only where its
+estimate fits. They come cheapest first: the batch size and the plan by what they cost a step (the
+share of samples given up, the share of FLOPs run again), then the compiler's budget (whose recompute
+is mostly fused elementwise work, not counted in FLOPs), then the variants, whose cost is not in FLOPs
+(numerics, communication), in the order given.
 
 Example:
     >>> import torch
@@ -25,13 +28,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
 from lightning_memest.errors import EstimationError, MemestError
 from lightning_memest.plan import CheckpointPlan, plan_step
+from lightning_memest.plan.compiled_budget import LADDER, compiled_budget, is_compiled
 from lightning_memest.report import format_bytes, format_share
 from lightning_memest.search import BatchSizeResult
 from lightning_memest.search.sizing import SizedStep
@@ -44,7 +48,8 @@ class Option:
     """One change that would make the step fit, with its estimated peak and what it costs."""
 
     kind: str
-    """``"batch size"``, ``"checkpointing"``, or the variant's name (``"precision bf16-mixed"``)."""
+    """``"batch size"``, ``"checkpointing"``, ``"compiled budget"``, or the variant's name
+    (``"precision bf16-mixed"``)."""
     change: str
     """The change, in words: ``"batch size 62"``, ``"checkpoint 7 of 12 modules (4 full, 3 selective)"``."""
     peak_bytes: int
@@ -57,6 +62,9 @@ class Option:
     """For ``"batch size"``: the size."""
     plan: CheckpointPlan | None = None
     """For ``"checkpointing"``: the plan (``plan.apply(model)``, ``plan.policy``)."""
+    activation_memory_budget: float | None = None
+    """For ``"compiled budget"``: the value to set (``torch._functorch.config.activation_memory_budget``)
+    before the step compiles."""
 
     def __str__(self) -> str:
         return f"{self.change}: {format_bytes(self.peak_bytes)}, {self.cost}"
@@ -69,12 +77,16 @@ def advise(
     model: nn.Module | None = None,
     largest: BatchSizeResult | None = None,
     variants: Mapping[str, tuple[str, Callable[[], SizedStep]]] | None = None,
+    budget_values: Sequence[float] = LADDER,
+    on_budget_value: Callable[[float], None] | None = None,
 ) -> tuple[Option, ...]:
     """The options that would make ``step`` fit ``budget`` bytes, cheapest first (see the module
     docstring). ``model``: the module ``step`` simulates, for a checkpointing plan (training only;
     ``None``: no plan); ``largest``: the batch-size search's result where the caller has it (else it is
-    searched); ``variants``: ``name -> (cost in words, the step as that variant)``. An option whose
-    estimate fails is left out."""
+    searched); ``variants``: ``name -> (cost in words, the step as that variant)``; ``budget_values``:
+    the ``activation_memory_budget`` values tried for a compiled training step (``()``: none),
+    ``on_budget_value(v)`` called before each (a recompile). An option whose estimate fails is left
+    out."""
     options: list[Option] = []
     size = _batch_size(step)
     found = largest
@@ -115,6 +127,19 @@ def advise(
                 )
             )
     options.sort(key=lambda o: o.share if o.share is not None else 1.0)
+    if step.loop == "train" and budget_values and is_compiled(step.estimate_at()):
+        found_budget = compiled_budget(step, budget, values=budget_values, on_value=on_budget_value)
+        if found_budget.value is not None and found_budget.peak_bytes is not None:
+            options.append(
+                Option(
+                    "compiled budget",
+                    f"torch._functorch.config.activation_memory_budget = {found_budget.value:g}",
+                    found_budget.peak_bytes,
+                    found_budget.cost,
+                    None,
+                    activation_memory_budget=found_budget.value,
+                )
+            )
     for name, (cost, make) in (variants or {}).items():
         try:
             peak = make().estimate_at().peak_bytes

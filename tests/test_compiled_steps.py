@@ -143,3 +143,49 @@ def test_blockwise_compiled_fit_checks_itself_within_one_percent_and_trains_as_w
     # The compiled blocks keep their names in the per-module figures (their scope is marked around the
     # compiled call, outside the graph).
     assert {"net.blocks.0", "net.blocks.1"} <= {m.path for m in est.modules.walk()}
+
+
+def test_the_advice_for_a_compiled_step_over_its_budget_names_the_compilers_budget_that_fits() -> None:
+    # What MemEstimate's pre-check offers (advice.advise): the highest activation_memory_budget whose
+    # re-simulated step fits, tried from the least recompute down, each value announced (a recompile);
+    # an eager step gets no such option. (The CLI's test measures the value offered.)
+    from lightning_memest.accounting import capture_filter
+    from lightning_memest.advice import advise
+    from lightning_memest.engine.simulate import simulate
+    from lightning_memest.search import BatchSizeResult
+    from lightning_memest.search.sizing import SizedStep
+
+    def layer() -> nn.Module:
+        return nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Linear(512, 128), nn.Tanh())
+
+    def sized(model: nn.Module) -> SizedStep:
+        config = StepConfig(optimizer=torch.optim.SGD)
+
+        def run(batch: Any, *, flops: bool, calibrate: bool) -> Any:
+            return simulate(model, batch, config, capture=capture_filter(flops=flops))
+
+        return SizedStep(run, torch.randn(1024, 128))
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(*[layer() for _ in range(3)])
+    compiled = torch.compile(copy.deepcopy(eager))
+    step = sized(compiled)
+    peak = step.estimate_at().peak_bytes
+    announced: list[float] = []
+    searched = BatchSizeResult(0, None, peak - 1, (), 0.0)  # (the batch-size search is not this test's)
+    options = advise(
+        step, peak - 1, largest=searched, on_budget_value=announced.append, budget_values=(0.6, 0.3, 0.1)
+    )
+    offered = [o for o in options if o.kind == "compiled budget"]
+    assert len(offered) == 1, options
+    option = offered[0]
+    assert option.activation_memory_budget == announced[-1] and option.peak_bytes < peak, (option, announced)
+    assert announced == sorted(announced, reverse=True) and set(announced) <= {0.6, 0.3, 0.1}
+    assert "activation_memory_budget = " in option.change and "FLOPs" in option.cost
+    assert torch._functorch.config.activation_memory_budget == 1.0  # the user's setting, as it was
+    announced.clear()
+    eager_step = sized(eager)
+    eager_peak = eager_step.estimate_at().peak_bytes
+    searched = BatchSizeResult(0, None, eager_peak - 1, (), 0.0)
+    eager_options = advise(eager_step, eager_peak - 1, largest=searched, on_budget_value=announced.append)
+    assert announced == [] and all(o.kind != "compiled budget" for o in eager_options)

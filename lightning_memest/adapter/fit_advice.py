@@ -3,8 +3,10 @@ its ``checkpointing="auto"``.
 
 :func:`training_check` compares the estimate with the budget and, where it is over, searches the largest
 batch size over the estimate's own step (``sizing.SizedStep``) and estimates the other options
-(``advice.advise``): an activation-checkpointing plan of the module, ``bf16-mixed`` where the fit is
-``32-true``, FSDP over the GPUs of a CUDA machine with several -- each simulated as the step was.
+(``advice.advise``): an activation-checkpointing plan of the module, a lower ``activation_memory_budget``
+where the step is compiled (each value tried is a recompile, said as it starts), ``bf16-mixed`` where
+the fit is ``32-true``, FSDP over the GPUs of a CUDA machine with several -- each simulated as the step
+was.
 :func:`auto_plan` is the opt-in: the plan with the least recompute that fits, to apply before the
 first step.
 
@@ -83,10 +85,21 @@ def training_check(
         found.append(step.largest_batch(budget_bytes))
         return found[-1].max_batch_size
 
+    def recompiling(value: float) -> None:  # each value is a compile of the step: seconds to minutes
+        rank_zero_info(
+            f"MemEstimate: over the budget; simulating the compiled step under activation_memory_budget "
+            f"{value:g} (a recompile)"
+        )
+
     def options(budget_bytes: int) -> tuple[Option, ...]:
         largest = found[-1] if found else None
         return advise(
-            step, budget_bytes, model=module, largest=largest, variants=_variants(fit, residents, step)
+            step,
+            budget_bytes,
+            model=module,
+            largest=largest,
+            variants=_variants(fit, residents, step),
+            on_budget_value=recompiling,
         )
 
     return budget.result(estimate, trainer.strategy.root_device, step.batch_size, search, options=options)

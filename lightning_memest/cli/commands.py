@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from lightning_memest.cases import case_batch_maker, estimate_case, measure_case, resolve_model
 from lightning_memest.cli.parser import PROG
@@ -28,6 +28,10 @@ from lightning_memest.report import (
 )
 from lightning_memest.report.tables import MODULE_ORDERS, module_rows, module_table
 from lightning_memest.search import max_batch_size
+
+if TYPE_CHECKING:
+    from lightning_memest.cases import Case
+    from lightning_memest.plan import CompiledBudget
 
 __all__ = ["COMMANDS", "compare_row"]
 
@@ -449,10 +453,12 @@ def _plan(settings: Settings, out: TextIO) -> None:
             max_batch_size=args.search_batch,
             replay_blocks=args.replay_blocks,
         )
+        compiled = _compiled_budget(settings, case, progress) if args.compile is not None else None
     if not plan.fits:
         print(f"{PROG}: no checkpointing of these modules fits: {plan.describe()}", file=sys.stderr)
     if args.json:
-        print(json.dumps({**plan.to_json(), "approximate": plan.estimate.approximate}), file=out)
+        extra = {} if compiled is None else {"compiled_budget": compiled.to_json()}
+        print(json.dumps({**plan.to_json(), "approximate": plan.estimate.approximate, **extra}), file=out)
         return
     print(f"checkpointing plan for {args.model} ({settings.describe()})", file=out)
     if plan.estimate.approximate:
@@ -463,6 +469,44 @@ def _plan(settings: Settings, out: TextIO) -> None:
         f"\n  peak before {before}, with the plan {after} (re-simulated); {plan.simulations} simulations "
         f"in {plan.seconds:.2f} s",
         file=out,
+    )
+    if compiled is not None:
+        print(f"\n  or the compiler's own recompute: {_describe_compiled(compiled)}", file=out)
+
+
+def _compiled_budget(settings: Settings, case: Case, progress: Progress) -> CompiledBudget:
+    """``plan --compile``: the highest activation_memory_budget that fits, each value re-simulated."""
+    from lightning_memest.plan import plan_compiled_budget
+
+    args = settings.args
+
+    def recompiling(value: float) -> None:
+        progress.update(f"simulating the step under activation_memory_budget {value:g} (a recompile)")
+
+    return plan_compiled_budget(
+        case.model,
+        case.batch,
+        args.budget,
+        on_value=recompiling,
+        loss_fn=case.config.loss_fn,
+        optimizer=case.config.optimizer,
+        precision=case.config.precision,
+        device=args.device,
+        strategy=settings.strategy,
+        gpu=settings.gpu,
+        calibrate=args.calibrate,
+        replay_blocks=args.replay_blocks,
+    )
+
+
+def _describe_compiled(found: CompiledBudget) -> str:
+    if found.fits_as_it_is:
+        return f"the step fits as it is, at activation_memory_budget {found.baseline_value:g}"
+    if found.value is None or found.peak_bytes is None:
+        return f"no activation_memory_budget tried fits ({found.describe()})"
+    return (
+        f"torch._functorch.config.activation_memory_budget = {found.value:g}: peak "
+        f"{format_bytes(found.peak_bytes)} (re-simulated), {found.cost}"
     )
 
 

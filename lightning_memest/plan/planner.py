@@ -45,7 +45,7 @@ from lightning_memest.plan.windows import Candidate, block_windows
 from lightning_memest.report import StepEstimate
 from lightning_memest.search.sizing import SizedStep
 
-__all__ = ["ATTEMPTS", "plan_checkpointing", "plan_step"]
+__all__ = ["ATTEMPTS", "plan_checkpointing", "plan_step", "sized_step"]
 
 #: How many plans are simulated before the planner gives its best (each miss lowers the solver's budget).
 ATTEMPTS = 3
@@ -91,6 +91,40 @@ def plan_checkpointing(
         ...
         TypeError: kinds must be a collection of names, not one string: kinds=('full',); got 'full'
     """
+    step = sized_step(
+        model,
+        batch,
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        precision=precision,
+        device=device,
+        steps=steps,
+        strategy=strategy,
+        gpu=gpu,
+        calibrate=calibrate,
+        replay_blocks=replay_blocks,
+    )
+    # Checked here too, before anything is simulated; as tuples, so that an iterator is read once.
+    _, modules, kinds = _check_plan_options(model, budget, modules, kinds, max_batch_size)
+    return plan_step(step, model, budget, modules=modules, kinds=kinds, max_batch_size=max_batch_size)
+
+
+def sized_step(
+    model: nn.Module,
+    batch: Any,
+    *,
+    loss_fn: LossFn = sum_loss,
+    optimizer: OptimizerFactory | None = None,
+    precision: str = "32-true",
+    device: str | torch.device | None = None,
+    steps: int = 2,
+    strategy: Strategy | None = None,
+    gpu: CudaDevice | None = None,
+    calibrate: bool = False,
+    replay_blocks: bool = True,
+) -> SizedStep:
+    """The training step of ``model`` on ``batch`` as ``estimate_step`` simulates it (its arguments,
+    checked first), for a planner to estimate and re-simulate (``search.sizing.SizedStep``)."""
     check_step_options(
         model=model,
         steps=steps,
@@ -100,8 +134,6 @@ def plan_checkpointing(
         calibrate=calibrate,
         replay_blocks=replay_blocks,
     )
-    # Checked here too, before the step is set up; as tuples, so that an iterator is read once.
-    _, modules, kinds = _check_plan_options(model, budget, modules, kinds, max_batch_size)
     config = StepConfig(loss_fn, optimizer, cast(Precision, precision), strategy)
 
     def run(b: Any, *, flops: bool, calibrate: bool, next_batches: Sequence[Any] = ()) -> Simulation:
@@ -119,8 +151,7 @@ def plan_checkpointing(
 
         return simulate_replaying(simulated, replay_blocks and strategy is None)
 
-    step = SizedStep(run, batch, calibrate=calibrate, gpu=gpu)
-    return plan_step(step, model, budget, modules=modules, kinds=kinds, max_batch_size=max_batch_size)
+    return SizedStep(run, batch, calibrate=calibrate, gpu=gpu)
 
 
 def plan_step(
