@@ -88,6 +88,11 @@ class Tracker:
         self._refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._next_handle = 0
         self._residents: set[int] = set()
+        # Backward: which autograd node's evaluation made each live storage (a serial, counted as the
+        # node running changes), for what autograd sums in place (``_accumulate_in_place``).
+        self._node: object = None  # held: its id is not reused while compared
+        self._node_serial = 0
+        self._made_in: dict[int, int] = {}
         self.op_index = -1
         self.phase = Phase.SETUP
         self.step = 0
@@ -130,6 +135,7 @@ class Tracker:
         self._handles[key] = handle
         self._sizes[key] = nbytes
         self._refs[key] = weakref.ref(storage, self._free_callback(key, handle))
+        self._made_in[handle] = self._node_serial
         events.append(Alloc(handle, nbytes, resident))
         return handle
 
@@ -143,6 +149,7 @@ class Tracker:
         def on_free(_: object) -> None:
             if self._handles.get(key) == handle:
                 del self._handles[key], self._sizes[key], self._refs[key]
+                self._made_in.pop(handle, None)
                 self.events.append(Free(handle))
 
         return on_free
@@ -252,6 +259,8 @@ class Tracker:
         self.step = step
         if phase is Phase.BACKWARD:
             self._backward_stack.clear()
+        else:
+            self._node = None  # (the graph's last node is not kept alive past its backward)
 
     def end_step(self) -> None:
         """The step that is running has ended (the next one starts, or the simulation ends): where it
@@ -402,7 +411,14 @@ class Tracker:
         twice: an LSTM's hidden state, a residual connection) in place, into the one it holds the last
         reference to -- unless the tensor is a subclass, such as a fake tensor: then out of place, one
         more allocation, which the real run never makes. This sum is the real one: the output takes over
-        the storage (and the handle) of the gradient the real run adds into, and allocates nothing."""
+        the storage (and the handle) of the gradient the real run adds into, and allocates nothing.
+
+        The engine sums after a node's formula ran, the gradient it made into the one an earlier node
+        left in the buffer; the formulas' own sums (``cholesky_backward``'s ``gA + gA.tril(-1).mH()``,
+        of a local holding the last reference) allocate. So the gradient added into must come from an
+        earlier node's evaluation than the one running (``torch._C._current_autograd_node``, which is
+        the same while its formula runs and while its outputs are summed into the buffers): a sum of
+        two gradients of one node (``x * x``) is then taken out of place, one tensor high, never low."""
         if kwargs or len(args) != 2 or args[0] is args[1] or torch.is_grad_enabled():
             return
         new = out.untyped_storage()
@@ -422,11 +438,15 @@ class Tracker:
             # No other tensor on its storage (the count includes the ``storage`` object here).
             if handle is None or torch._C._storage_Use_Count(key) != 2 or storage.nbytes() != new.nbytes():
                 continue
+            if self._made_in.get(handle) == self._node_serial:
+                continue  # made by the node running: a sum of its formula (or of two of its gradients)
             del self._handles[key], self._sizes[key], self._refs[key]  # its death frees nothing now
+            made = self._made_in.pop(handle, self._node_serial)
             key = new._cdata
             self._handles[key] = handle
             self._sizes[key] = new.nbytes()
             self._refs[key] = weakref.ref(new, self._free_callback(key, handle))
+            self._made_in[handle] = made
             return
 
     def _record(
@@ -454,8 +474,13 @@ class Tracker:
         )
         # The op's event comes before its outputs' allocations, which it may need to name.
         allocs: list[Event] = []
-        if func is _ADD and self.phase is Phase.BACKWARD and isinstance(out, Tensor):
-            self._accumulate_in_place(args, kwargs, out)
+        if self.phase is Phase.BACKWARD:
+            node = torch._C._current_autograd_node()
+            if node is not self._node:
+                self._node = node
+                self._node_serial += 1
+            if func is _ADD and isinstance(out, Tensor):
+                self._accumulate_in_place(args, kwargs, out)
         # Meta outputs hold no memory (DTensor propagates shardings on meta tensors of global shape).
         handles = tuple(-1 if t.is_meta else self._register_tensor(t, allocs) for t in leaves)
         self.events.append(
