@@ -183,11 +183,14 @@ def test_scalar_reads_of_unknown_values_are_neutral() -> None:
     tracker = Tracker()
     with TrackingFakeTensorMode(tracker):
         x = torch.randn(3)
-        values = (int((x > 0).sum()), float(x.sum()), bool(x.any()), torch.equal(x, x), x.allclose(x))
+        y = torch.randn(3)
+        values = (int((x > 0).sum()), float(x.sum()), bool(x.any()), torch.equal(x, y), x.allclose(y))
+        same = (torch.equal(x, x), x.allclose(x), torch.equal(x[1:], x[1:]), torch.equal(x[1:], x[:2]))
     assert values == (0, 0.0, False, False, False)
+    assert same == (True, True, True, False)  # a tensor equals itself, a view its own elements
     assert [e.assumed for e in tracker.events if isinstance(e, DataDependent)] == ["0", "0.0", "False"] + [
         "False"
-    ] * 2
+    ] * 2 + ["True (the same elements)"] * 3 + ["False"]
 
 
 def test_out_overloads_are_sized_like_the_functional_answer() -> None:
@@ -635,7 +638,7 @@ def test_stopping_logic_carries_values_and_reads_them() -> None:
 
 def test_reads_of_comparisons_assume_no_coincidence() -> None:
     # An unknown value equals no given value: ``==`` and ``isin`` read False, ``!=`` True, through
-    # ``~``, ``any``/``all`` and ``&``/``|``; reads of anything else stay neutral.
+    # ``~``, ``any``/``all`` and ``&``/``|``; reads of anything else stay neutral (but the NaN check).
     tracker = Tracker()
     mode = TrackingFakeTensorMode(tracker)
     with real_path(mode), mode:
@@ -646,7 +649,7 @@ def test_reads_of_comparisons_assume_no_coincidence() -> None:
             bool(~torch.isin(tokens, torch.tensor([5, 6])).any()),
             bool(torch.isin(tokens, torch.tensor([5]), invert=True).all() & (tokens != 2).all()),
             bool((tokens > 5).any()),  # no comparison with a given value: neutral
-            bool((tokens != tokens).any()),  # a value equals itself (a NaN check): neutral
+            bool((tokens != tokens).any()),  # a value equals itself (a NaN check): no NaN in a healthy run
         ]
     assert answers == [False, True, True, True, False, False]
     assumed = [
@@ -654,7 +657,33 @@ def test_reads_of_comparisons_assume_no_coincidence() -> None:
         for e in tracker.events
         if isinstance(e, DataDependent)
     ]
-    assert assumed == ["False assumed", "True assumed", "True assumed", "True assumed", "False", "False"]
+    expected = ["False assumed", "True assumed", "True assumed", "True assumed", "False", "False assumed"]
+    assert assumed == expected
+
+
+def test_checks_that_only_validate_read_as_a_healthy_run_reads_them() -> None:
+    # What a run that does not crash has: no NaN, no infinity, validations that hold. Each check of
+    # a loss that pytorch-forecasting asserts, torch.distributions' argument validation (on by
+    # default), and the reason each says in the report.
+    tracker = Tracker()
+    mode = TrackingFakeTensorMode(tracker)
+    with real_path(mode), mode:
+        loss = torch.randn(8).square().mean()
+        answers = [
+            bool(torch.isnan(loss)),
+            bool(torch.isinf(loss)),
+            bool(torch.isfinite(loss)),
+            bool(torch.isfinite(torch.randn(4)).all()),
+            bool(torch.isposinf(loss) | torch.isneginf(loss)),
+            bool(torch._is_all_true(torch.randn(4) > 0)),
+        ]
+        torch.distributions.Normal(torch.randn(4), torch.randn(4).exp())  # validate_args: on
+        torch.distributions.Categorical(logits=torch.randn(4, 3)).log_prob(torch.randint(0, 3, (4,)))
+    assert answers == [False, False, True, True, False, True]
+    reasons = [e.assumed for e in tracker.events if isinstance(e, DataDependent)]
+    finite, valid = "a healthy run's values are finite", "the library's check passes"
+    assert all(finite in r for r in reasons[:5]) and all(valid in r for r in reasons[5:]), reasons
+    assert len(reasons) >= 8, reasons  # the distributions' checks were read, and passed
 
 
 def test_elementwise_ops_combine_value_sets() -> None:

@@ -260,3 +260,39 @@ def test_a_true_precision_converts_the_known_value_too(dtype: torch.dtype) -> No
     precision = "bf16-true" if dtype is torch.bfloat16 else "32-true"
     estimate_step(Scaled(), torch.randn(4, 8), loss_fn=_squares, precision=precision, steps=1)
     assert seen == [1.5]
+
+
+class FixedGridODE(nn.Module):
+    """An explicit solver over a time grid, checked as torchdiffeq checks it: strictly monotone. The
+    grid is made in the step (``linspace``) or kept as a buffer."""
+
+    def __init__(self, grid: Tensor | None = None) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(32, 128), nn.Tanh(), nn.Linear(128, 32))
+        self.register_buffer("grid", grid)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = torch.linspace(0.0, 1.0, 9) if self.grid is None else self.grid
+        diff = t[1:] > t[:-1]
+        assert diff.all() or (~diff).all(), "t must be strictly increasing or decreasing"
+        for i in range(len(t) - 1):
+            x = x + (t[i + 1] - t[i]) * self.f(x)
+        return x
+
+
+def _ode_loss(m: nn.Module, b: Tensor) -> Tensor:
+    out: Tensor = m(b)
+    return out.square().mean()
+
+
+def test_a_time_grid_made_in_the_step_or_kept_in_a_buffer_is_known() -> None:
+    # Floating-point values the step builds from numbers (linspace) or keeps in a small buffer are
+    # known: a monotonicity check reads them, where an unknown value read False both ways.
+    torch.manual_seed(0)
+    x = torch.randn(64, 32)
+    for grid in (None, torch.linspace(0.0, 2.0, 7)):
+        est = estimate_step(FixedGridODE(grid), x, loss_fn=_ode_loss)
+        reads = [r.assumed for r in est.data_dependent or ()]
+        assert reads and all(r == "its real value" for r in reads), reads
+        measured = measure_step(FixedGridODE(grid), x, StepConfig(loss_fn=_ode_loss))
+        assert abs(est.steady_state.bytes - measured.steady_state) <= 0.01 * measured.steady_state

@@ -296,7 +296,11 @@ def fake_module(module: nn.Module, converter: FakeConverter) -> Iterator[nn.Modu
                     setattr_raw(m, name, fake := converter.tensor(value))
                     know_module_value(fake, value, copies)
                 elif isinstance(value, (list, tuple)) and any(isinstance(v, Tensor) for v in value):
-                    setattr_raw(m, name, type(value)(converter.any(v) for v in value))
+                    fakes = [converter.any(v) for v in value]
+                    for fake_v, v in zip(fakes, value, strict=True):  # (gpytorch's train_inputs)
+                        if isinstance(v, Tensor) and not isinstance(v, nn.Parameter):
+                            know_module_value(fake_v, v, copies)
+                    setattr_raw(m, name, type(value)(fakes))
         yield module
     finally:
         _forget_composable_state(composed)

@@ -40,15 +40,19 @@ them too. Fake tensors have none, so :func:`real_path` also keeps **known values
 values decide code paths -- integer and boolean tensors (positions, lengths, indices, masks) of at
 most :data:`VALUE_LIMIT` elements -- computed on small real CPU tensors beside the fake run:
 
-* the batch's integer and boolean tensors (copies; the batch is never touched);
+* the batch's integer and boolean tensors (copies; the batch is never touched); its floating-point
+  ones of at most :data:`FLOAT_VALUE_LIMIT` elements only for ``torch.equal``/``allclose`` (the
+  inputs a Gaussian process checks are its training inputs), so that their selections and reads stay
+  the policy's, as a larger batch's would;
 * the model's own parameters, buffers and tensor attributes (:func:`know_module_value`, called as
   ``engine.fake`` converts the model): integer and boolean ones of at most :data:`VALUE_LIMIT`
   elements, floating-point ones of at most :data:`FLOAT_VALUE_LIMIT` (a step count, a per-block
   setting, a temperature, a learned scale: not a weight matrix, whose copy would cost its size and
   whose every op would run a second time beside the fake one). A model built on the meta device has
   no values: its reads stay assumed;
-* deterministic factories (``arange``, ``full``, ``zeros``, ``ones``, their ``_like`` and ``new_``
-  forms; not ``empty`` or random ones) and ``torch.tensor(...)``;
+* deterministic factories (``arange``, ``linspace``, ``full``, ``zeros``, ``ones``, their ``_like``
+  and ``new_`` forms; not ``empty`` or random ones) and ``torch.tensor(...)``: integer and boolean
+  ones up to :data:`VALUE_LIMIT` elements, floating-point ones up to :data:`FLOAT_VALUE_LIMIT`;
 * any op whose tensor arguments all have known values: the same op on the values (views stay views
   of the values, in-place ops update them; an in-place write from an unknown value forgets them:
   a counter such as batch norm's ``num_batches_tracked`` follows the step, an average of
@@ -94,6 +98,8 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
 )
 from torch.utils._mode_utils import no_dispatch
+
+from lightning_memest.engine.values.tensor_facts import BATCH_FLOATS, file_fact
 
 __all__ = [
     "FLOAT_VALUE_LIMIT",
@@ -260,9 +266,18 @@ class KnownValues:
         self._copies: ValueCopies = {}
 
     def add_batch_tensor(self, fake: Tensor, real: Tensor) -> None:
-        """Know ``fake``'s value: a CPU copy of ``real`` (views of one storage share one copy)."""
-        if type(real) is Tensor and _valued_kind(real):
+        """Know ``fake``'s value: a CPU copy of ``real`` (views of one storage share one copy) -- an
+        integer or boolean tensor of at most :data:`VALUE_LIMIT` elements. A floating-point one of at
+        most :data:`FLOAT_VALUE_LIMIT` gets a copy for equality checks alone (``tensor_facts.BATCH_FLOATS``: a
+        Gaussian process checks that it trains on its training inputs)."""
+        if type(real) is not Tensor or real.is_meta:
+            return
+        if _valued_kind(real):
             _know(fake, real, self._copies, VALUE_LIMIT)
+        elif real.is_floating_point() and real.numel() <= FLOAT_VALUE_LIMIT and isinstance(fake, FakeTensor):
+            # Read by equality checks only (``engine.values.data_dependent``): the batch's floats stay
+            # unknown to everything else (the size of a selection of them stays an upper bound).
+            file_fact(fake, BATCH_FLOATS, real.detach().to("cpu", copy=True))
 
     def dispatch(
         self,
@@ -448,13 +463,20 @@ def _from_constants(func: torch._ops.OpOverload, tensors: int) -> bool:
 
 
 def _all_small(out: Any, floats: bool = True) -> bool:
-    """Every output is a tensor of at most :data:`VALUE_LIMIT` elements, of an integer or boolean dtype
-    or, with ``floats``, a floating-point one: an op of known values keeps its outputs' values whatever
-    their dtype (a padding mask made a float mask of ``0``/``-inf``, as ``nn.MultiheadAttention`` does,
-    then compared again), though only integer and boolean tensors are known to begin with."""
+    """Every output is a tensor of at most :data:`VALUE_LIMIT` elements, of an integer or boolean dtype or,
+    with ``floats``, a floating-point one (without, a floating-point one of at most
+    :data:`FLOAT_VALUE_LIMIT`: ``linspace``, ``full`` of a constant): an op of known values keeps its
+    outputs' values whatever their dtype (a padding mask made a float mask of ``0``/``-inf``, as
+    ``nn.MultiheadAttention`` does, then compared again), though only integer and boolean tensors are
+    known to begin with."""
     if isinstance(out, Tensor):
-        kind_ok = floats or not out.is_floating_point()
-        return kind_ok and not (out.is_complex() or out.is_quantized) and out.numel() <= VALUE_LIMIT
+        if out.is_complex() or out.is_quantized:
+            return False
+        if out.is_floating_point() and not floats:
+            # A float factory's grid (``linspace``); a scalar made of a number is the fake mode's own
+            # constant already (an optimizer's step counter: read silently, as before).
+            return 1 < out.numel() <= FLOAT_VALUE_LIMIT
+        return out.numel() <= VALUE_LIMIT
     if isinstance(out, (tuple, list)):
         return len(out) > 0 and all(_all_small(o, floats) for o in out)
     return False

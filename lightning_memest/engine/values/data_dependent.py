@@ -63,7 +63,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves
 
-from lightning_memest.engine.values.assumed_values import assumed_set
+from lightning_memest.engine.values.assumed_values import assumed_reason, assumed_set
 from lightning_memest.engine.values.nonzero_bounds import (
     nonzero_bound,
     set_holds,
@@ -71,6 +71,7 @@ from lightning_memest.engine.values.nonzero_bounds import (
     spread_bound,
 )
 from lightning_memest.engine.values.router_shares import selection_share
+from lightning_memest.engine.values.tensor_facts import BATCH_FLOATS, fact_of
 from lightning_memest.engine.values.value_sets import ValueLookup, int_values, values_in
 from lightning_memest.registry import Op, OpRegistry
 
@@ -291,7 +292,7 @@ def _scalar_read(call: Call) -> Answer:
         return Answer(exact, f"{exact} (the only value it can hold)", exact=True)
     assumed = _one_answer(assumed_set(t), t, truth)
     if assumed is not None:
-        return Answer(assumed, f"{assumed} (assumed: an unknown value equals no given value)")
+        return Answer(assumed, f"{assumed} (assumed: {assumed_reason(t)})")
     if truth:
         return Answer(False, "False")
     if t.is_floating_point() or t.is_complex():
@@ -315,8 +316,37 @@ def _one_answer(possible: Tensor | None, t: Tensor, truth: bool) -> bool | int |
 
 
 @POLICIES.register(aten.equal, aten.allclose)
-def _not_equal(call: Call) -> Answer:
+def _equal(call: Call) -> Answer:
+    # A tensor equals itself, or a view of its own elements as they are (gpytorch checks in debug
+    # mode, on by default, that the inputs are its training inputs: the same tensor). Else neutral.
+    a, b = call.args[0], call.args[1]
+    if isinstance(a, Tensor) and isinstance(b, Tensor) and _same_elements(a, b):
+        return Answer(True, "True (the same elements)", exact=True)
+    values = [_equality_values(t, call.read) for t in (a, b)]
+    if values[0] is not None and values[1] is not None:  # a batch's floats against a module's copy
+        with unset_fake_temporarily():
+            real = call.op(values[0], values[1], *call.args[2:], **call.kwargs)
+        return Answer(bool(real), f"{bool(real)} (the real values)", exact=True)
     return Answer(False, "False")
+
+
+def _equality_values(t: Any, read: ValueLookup) -> Tensor | None:
+    """The real values of ``t`` where known, or the copy of a small floating-point batch tensor kept
+    for equality checks (``tensor_facts.BATCH_FLOATS``)."""
+    if not isinstance(t, Tensor):
+        return None
+    known = read(t)
+    return known if known is not None else fact_of(t, BATCH_FLOATS)
+
+
+def _same_elements(a: Tensor, b: Tensor) -> bool:
+    if a is b:
+        return True
+    if a.shape != b.shape or a.dtype != b.dtype or a.stride() != b.stride():
+        return False
+    if a.storage_offset() != b.storage_offset():
+        return False
+    return bool(a.untyped_storage()._cdata == b.untyped_storage()._cdata)
 
 
 @POLICIES.register(aten.nonzero, aten.argwhere)

@@ -30,7 +30,11 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
-__all__ = ["fact_of", "file_fact", "storage_written"]
+__all__ = ["BATCH_FLOATS", "fact_of", "file_fact", "storage_written"]
+
+#: The fact of a small floating-point batch tensor holding a CPU copy of its values, read by equality
+#: checks only (``engine.real_path`` files it; ``engine.values.data_dependent`` reads it).
+BATCH_FLOATS = "_memest_batch_floats"
 
 #: The fake mode's attribute holding each storage's write generation (by storage address).
 _GENERATIONS = "_memest_write_generations"

@@ -54,6 +54,7 @@ from lightning_memest.engine.values.assumed_values import (
     has_assumption,
     is_source,
     source_assumption,
+    source_reason,
 )
 from lightning_memest.engine.values.nonzero_bounds import carried_bounds, file_bound
 from lightning_memest.engine.values.tensor_facts import fact_of, file_fact, storage_written
@@ -170,9 +171,10 @@ def carry_value_sets(
             storage_written(t)
     for target, values in sets:
         _give(target, values, read)
+    why = source_reason(func, args) if assumed else ""
     for target, values in assumed:
         for t in _tensors(target):
-            file_assumed(t, values if values.dtype == t.dtype else _converted(values, t.dtype))
+            file_assumed(t, values if values.dtype == t.dtype else _converted(values, t.dtype), why)
     for t, interval in ranges:
         file_range(t, interval)
     for t, bound in bounds:
