@@ -37,6 +37,7 @@ from probe import PROBED_BATCHES, AllocatorProbe, ProbedBatch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 from zoo import CASES, ZooCase
+from zoo_checks import CHECK_CASES
 from zoo_families import FAMILY_CASES
 
 from lightning_memest import MemEstimate
@@ -129,7 +130,7 @@ def _differing(weights: dict[str, Tensor], other: dict[str, Tensor]) -> int:
     return sum(1 for k, v in weights.items() if k not in other or not torch.equal(v, other[k]))
 
 
-@pytest.mark.parametrize("case", [*CASES, *FAMILY_CASES], ids=str)
+@pytest.mark.parametrize("case", [*CASES, *FAMILY_CASES, *CHECK_CASES], ids=str)
 def test_zoo(case: ZooCase) -> None:
     without = _fit(case, None, probed=os.environ.get("MEMEST_ZOO_PROBE_BOTH") == "1")
     assert without.error is None, f"the plain fit failed: {without.error}"

@@ -23,12 +23,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor, nn
 
 from lightning_memest.accounting import capture_filter
 from lightning_memest.adapter.batch_index import IndexReads
+from lightning_memest.adapter.package import is_lightning_module, lightning_classes
 from lightning_memest.adapter.runner import LightningRunner
 from lightning_memest.adapter.weight_averaging import WeightAveragingMirror
 from lightning_memest.engine.distributed import DDP, Strategy, fsdp_like
@@ -76,7 +76,7 @@ class FitSetup:
 
     def runner(self, module: nn.Module, config: StepConfig, listener: StepListener) -> LightningRunner:
         """The engine's runner factory: the fit loop's order of things, for ``module``."""
-        if not isinstance(module, pl.LightningModule):
+        if not is_lightning_module(module):
             raise EstimationError(f"expected a LightningModule, got {type(module).__name__}")
         return LightningRunner(
             module,
@@ -249,7 +249,7 @@ def _strategy(trainer: pl.Trainer) -> Strategy | None:
     so (the callback turns it into one warning); ``memest estimate --strategy fsdp`` answers for them.
     """
     strategy = trainer.strategy
-    if isinstance(strategy, DDPStrategy):
+    if isinstance(strategy, lightning_classes("DDPStrategy")):
         kwargs = getattr(strategy, "_ddp_kwargs", {})
         return DDP(
             trainer.world_size,

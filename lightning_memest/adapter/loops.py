@@ -31,6 +31,7 @@ from torch import Tensor, nn
 from lightning_memest.accounting import capture_filter
 from lightning_memest.adapter.eval_runner import STEP_METHODS, EvalRunner, Loop
 from lightning_memest.adapter.fit import _precision, _strategy
+from lightning_memest.adapter.package import is_lightning_module
 from lightning_memest.engine.events import Role
 from lightning_memest.engine.fake import local_tensor
 from lightning_memest.engine.simulate import Simulation, simulate
@@ -77,7 +78,7 @@ class LoopSetup:
 
     def runner(self, module: nn.Module, config: StepConfig, listener: StepListener) -> EvalRunner:
         """The engine's runner factory: the loop's order of things, for ``module``."""
-        if not isinstance(module, pl.LightningModule):
+        if not is_lightning_module(module):
             raise EstimationError(f"expected a LightningModule, got {type(module).__name__}")
         return EvalRunner(
             module,

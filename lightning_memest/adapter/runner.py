@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -35,6 +35,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer, _init_optimizer
 from torch import Tensor, nn
 
 from lightning_memest.adapter.batch_index import IndexReads, WatchedIndex
+from lightning_memest.adapter.package import base_method, lightning_classes
 from lightning_memest.engine.distributed import DDP, Strategy, wrap
 from lightning_memest.engine.events import Phase
 from lightning_memest.engine.fake import setattr_raw
@@ -297,7 +298,7 @@ class LightningRunner:
 
 
 def _overrides_optimizer_step(module: pl.LightningModule) -> bool:
-    return type(module).optimizer_step is not pl.LightningModule.optimizer_step
+    return type(module).optimizer_step is not base_method(module, "optimizer_step")
 
 
 class _Closure:
@@ -316,7 +317,9 @@ class _Closure:
 
 
 def _unwrapped(optimizer: torch.optim.Optimizer | LightningOptimizer) -> torch.optim.Optimizer:
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    if isinstance(optimizer, lightning_classes("LightningOptimizer")):
+        return cast(LightningOptimizer, optimizer).optimizer
+    return cast(torch.optim.Optimizer, optimizer)
 
 
 class _SimulatedOptimizer(LightningOptimizer):

@@ -27,9 +27,9 @@ import re
 import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
-from lightning.pytorch.callbacks import Callback, ModelSummary, RichModelSummary
+from lightning.pytorch.callbacks import Callback, ModelSummary
 from lightning.pytorch.callbacks import model_summary as lightning_summary
 from lightning.pytorch.utilities.model_summary.model_summary import (
     _format_summary_table,
@@ -38,6 +38,7 @@ from lightning.pytorch.utilities.model_summary.model_summary import (
 )
 from lightning_utilities.core.imports import RequirementCache
 
+from lightning_memest.adapter.package import lightning_classes
 from lightning_memest.report import ModuleStats, StepEstimate, format_bytes, human_flops
 
 __all__ = [
@@ -90,15 +91,16 @@ def silence_other_summaries(
     what :func:`restore_summaries` puts back, and the style the user asked for by passing them:
     Rich for a ``RichModelSummary``, plain for a plain ``ModelSummary``, ``None`` (Lightning's
     default) for none."""
+    summaries = lightning_classes("ModelSummary")
     silenced = [
         (cb, cb._max_depth)
-        for cb in callbacks
+        for cb in (cast(ModelSummary, c) for c in callbacks if isinstance(c, summaries))
         # Another MemEstimate shows its own estimate; only Lightning's summaries give way.
-        if isinstance(cb, ModelSummary) and not isinstance(cb, type(keeper)) and cb._max_depth
+        if not isinstance(cb, type(keeper)) and cb._max_depth
     ]
     for cb, _ in silenced:
         cb._max_depth = 0
-    kinds = [isinstance(cb, RichModelSummary) for cb, _ in silenced]
+    kinds = [isinstance(cb, lightning_classes("RichModelSummary")) for cb, _ in silenced]
     return silenced, (any(kinds) if kinds else None)
 
 
@@ -342,14 +344,13 @@ def _beside(progress_bar: Callback | None) -> Iterator[None]:
     """Print beside Lightning's progress bar: tqdm's bars cleared before and drawn again after; console
     handlers of Lightning's loggers pointed at ``sys.stdout``/``sys.stderr`` as they are now (where a
     Rich live display has them, it prints above itself)."""
-    from lightning.pytorch.callbacks import TQDMProgressBar
-
     handlers = _console_handlers(lightning_summary.log)
     old = [(h, h.stream) for h in handlers]
     for h, stream in old:
         h.setStream(sys.stderr if stream is sys.__stderr__ else sys.stdout)
     try:
-        if isinstance(progress_bar, TQDMProgressBar) and progress_bar.is_enabled:
+        bar = progress_bar if isinstance(progress_bar, lightning_classes("TQDMProgressBar")) else None
+        if bar is not None and cast(Any, bar).is_enabled:
             from tqdm import tqdm
 
             with tqdm.external_write_mode():

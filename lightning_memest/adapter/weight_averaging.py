@@ -23,11 +23,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 from torch import nn
 
+from lightning_memest.adapter.package import lightning_classes
 from lightning_memest.engine.fake import resident_tensors
 
 __all__ = ["WeightAveragingMirror"]
@@ -55,19 +56,18 @@ class WeightAveragingMirror:
     def of(trainer: pl.Trainer) -> WeightAveragingMirror | None:
         """The trainer's weight-averaging callbacks with their copy on the training device; ``None``
         where there is none."""
-        try:  # new in lightning 2.6
-            from lightning.pytorch.callbacks import WeightAveraging
-        except ImportError:
+        averagers = lightning_classes("WeightAveraging")  # new in lightning 2.6
+        if not averagers:
             return None
         device = trainer.strategy.root_device
-        found = []
+        found: list[pl.Callback] = []
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             averaged = getattr(callback, "_average_model", None)
-            if not isinstance(callback, WeightAveraging) or not isinstance(averaged, nn.Module):
+            if not isinstance(callback, averagers) or not isinstance(averaged, nn.Module):
                 continue
             tensors = [t for _, t, _ in resident_tensors(averaged)]
             if tensors and all(t.device == device for t in tensors):
-                found.append(callback)
+                found.append(cast(pl.Callback, callback))
         return WeightAveragingMirror(trainer, tuple(found)) if found else None
 
     @property
