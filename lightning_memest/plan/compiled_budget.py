@@ -21,10 +21,13 @@ Example:
     >>> layers = [torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU()) for _ in range(3)]
     >>> net = torch.compile(torch.nn.Sequential(*layers))
     >>> batch = torch.randn(2048, 256)
-    >>> default = plan_compiled_budget(net, batch, 2**40).baseline.peak_bytes  # 1.0: what fits as it is
-    >>> found = plan_compiled_budget(net, batch, default - 1)
-    >>> found.value is not None and found.value < 1.0 and found.peak_bytes < default
+    >>> default = plan_compiled_budget(net, batch, 2**40).baseline.peak_bytes  # doctest: +SKIP
+    >>> found = plan_compiled_budget(net, batch, default - 1)  # doctest: +SKIP
+    >>> found.value is not None and found.value < 1.0 and found.peak_bytes < default  # doctest: +SKIP
     True
+
+(Not run by the docstring tests: docs/compiled.md runs the same example, and each compile takes
+seconds.)
 """
 
 from __future__ import annotations
