@@ -443,15 +443,8 @@ def _plan(settings: Settings, out: TextIO) -> None:
             args.budget,
             modules=[m.strip() for m in args.modules.split(",") if m.strip()] if args.modules else (),
             kinds=tuple(args.kinds.split(",")),
-            loss_fn=case.config.loss_fn,
-            optimizer=case.config.optimizer,
-            precision=case.config.precision,
-            device=args.device,
-            strategy=settings.strategy,
-            gpu=settings.gpu,
-            calibrate=args.calibrate,
             max_batch_size=args.search_batch,
-            replay_blocks=args.replay_blocks,
+            **_step_args(settings, case),
         )
         compiled = _compiled_budget(settings, case, progress) if args.compile is not None else None
     if not plan.fits:
@@ -484,19 +477,23 @@ def _compiled_budget(settings: Settings, case: Case, progress: Progress) -> Comp
         progress.update(f"simulating the step under activation_memory_budget {value:g} (a recompile)")
 
     return plan_compiled_budget(
-        case.model,
-        case.batch,
-        args.budget,
-        on_value=recompiling,
-        loss_fn=case.config.loss_fn,
-        optimizer=case.config.optimizer,
-        precision=case.config.precision,
-        device=args.device,
-        strategy=settings.strategy,
-        gpu=settings.gpu,
-        calibrate=args.calibrate,
-        replay_blocks=args.replay_blocks,
+        case.model, case.batch, args.budget, on_value=recompiling, **_step_args(settings, case)
     )
+
+
+def _step_args(settings: Settings, case: Case) -> dict[str, Any]:
+    """The planners' ``estimate_step`` arguments for ``case`` under these settings."""
+    args = settings.args
+    return {
+        "loss_fn": case.config.loss_fn,
+        "optimizer": case.config.optimizer,
+        "precision": case.config.precision,
+        "device": args.device,
+        "strategy": settings.strategy,
+        "gpu": settings.gpu,
+        "calibrate": args.calibrate,
+        "replay_blocks": args.replay_blocks,
+    }
 
 
 def _describe_compiled(found: CompiledBudget) -> str:
