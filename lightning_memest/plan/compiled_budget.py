@@ -2,7 +2,7 @@
 
 Under ``torch._functorch.config.activation_memory_budget`` (1.0 by default) AOTAutograd's partitioner
 saves less for backward and recomputes the rest, fused into inductor's kernels. For a step that does not
-fit, a lower value is an option next to a checkpointing plan, and no cheaper one: the user sets one
+fit, a lower value is an option next to a checkpointing plan, often the cheapest: the user sets one
 number and the model stays as written. What it saves is not a formula: the partitioner's choice moves
 with the graph, and the peak is not even monotonic in the value (a measured MLP: 0.2 below 0.4, 0.0
 above both; pytorch#197838). So each value is the step simulated again under it -- the compile
