@@ -660,7 +660,7 @@ class GAN(pl.LightningModule):
 
 # --- a packed LSTM ---------------------------------------------------------------------------------------
 class Sentences(Dataset[tuple[Tensor, Tensor]]):
-    def __init__(self, n: int = 64, vocab: int = 1000, max_len: int = 40) -> None:
+    def __init__(self, n: int = 64, vocab: int = 1000, max_len: int = 20) -> None:
         g = torch.Generator().manual_seed(7)
         lengths = torch.randint(3, max_len + 1, (n,), generator=g)
         self.tokens = [torch.randint(1, vocab, (int(k),), generator=g) for k in lengths]
