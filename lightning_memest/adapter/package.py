@@ -32,7 +32,6 @@ __all__ = ["base_method", "is_lightning_module", "lightning_classes"]
 #: Where each class asked for lives in ``lightning.pytorch`` (and in ``pytorch_lightning``).
 _WHERE = {
     "LightningModule": "",
-    "Trainer": "",
     "ModelSummary": "callbacks",
     "RichModelSummary": "callbacks",
     "TQDMProgressBar": "callbacks",

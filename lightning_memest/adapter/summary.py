@@ -100,7 +100,8 @@ def silence_other_summaries(
     ]
     for cb, _ in silenced:
         cb._max_depth = 0
-    kinds = [isinstance(cb, lightning_classes("RichModelSummary")) for cb, _ in silenced]
+    rich = lightning_classes("RichModelSummary")
+    kinds = [isinstance(cb, rich) for cb, _ in silenced]
     return silenced, (any(kinds) if kinds else None)
 
 
@@ -349,8 +350,8 @@ def _beside(progress_bar: Callback | None) -> Iterator[None]:
     for h, stream in old:
         h.setStream(sys.stderr if stream is sys.__stderr__ else sys.stdout)
     try:
-        bar = progress_bar if isinstance(progress_bar, lightning_classes("TQDMProgressBar")) else None
-        if bar is not None and cast(Any, bar).is_enabled:
+        tqdm_bar = isinstance(progress_bar, lightning_classes("TQDMProgressBar"))
+        if tqdm_bar and cast(Any, progress_bar).is_enabled:
             from tqdm import tqdm
 
             with tqdm.external_write_mode():

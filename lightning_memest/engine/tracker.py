@@ -441,12 +441,10 @@ class Tracker:
             if self._made_in.get(handle) == self._node_serial:
                 continue  # made by the node running: a sum of its formula (or of two of its gradients)
             del self._handles[key], self._sizes[key], self._refs[key]  # its death frees nothing now
-            made = self._made_in.pop(handle, self._node_serial)
             key = new._cdata
             self._handles[key] = handle
             self._sizes[key] = new.nbytes()
             self._refs[key] = weakref.ref(new, self._free_callback(key, handle))
-            self._made_in[handle] = made
             return
 
     def _record(

@@ -41,7 +41,7 @@ from typing import Any
 from torch import nn
 
 from lightning_memest.errors import EstimationError, MemestError
-from lightning_memest.options import check_budget
+from lightning_memest.plan.planner import plan_budget_bytes, sized_step
 from lightning_memest.report import StepEstimate, format_bytes, format_share
 from lightning_memest.search.sizing import SizedStep
 
@@ -119,10 +119,7 @@ class CompiledBudget:
 
     def describe(self) -> str:
         """The values tried and their peaks, in a line: ``'0.8: 82.1 MiB, 0.6: 76.1 MiB'``."""
-        return ", ".join(
-            f"{t.value:g}: {format_bytes(t.peak_bytes) if t.peak_bytes is not None else t.failure}"
-            for t in self.trials
-        )
+        return _described(self.trials)
 
     @property
     def cost(self) -> str:
@@ -132,10 +129,7 @@ class CompiledBudget:
         text = f"{counted} matrix-product FLOPs (the elementwise recompute fused into kernels not counted)"
         fit = self.fit
         above = [t for t in self.trials if fit is None or t.value != fit.value]
-        if above:
-            shown = dataclasses.replace(self, trials=tuple(above))
-            text += f"; over the budget at {shown.describe()}"
-        return text
+        return f"{text}; over the budget at {_described(above)}" if above else text
 
     def to_json(self) -> dict[str, Any]:
         """The answer and every value tried, for ``--json``."""
@@ -149,6 +143,13 @@ class CompiledBudget:
             "extra_flops_share": None if share is None else round(share, 6),
             "trials": [dataclasses.asdict(t) for t in self.trials],
         }
+
+
+def _described(trials: Sequence[BudgetTrial]) -> str:
+    def peak(t: BudgetTrial) -> str:
+        return format_bytes(t.peak_bytes) if t.peak_bytes is not None else str(t.failure)
+
+    return ", ".join(f"{t.value:g}: {peak(t)}" for t in trials)
 
 
 def is_compiled(estimate: StepEstimate) -> bool:
@@ -207,11 +208,7 @@ def plan_compiled_budget(
     ``model`` is compiled (``torch.compile(model)``, a compiled submodule); a step that compiles
     nothing is an error, as a budget that is a share of a device is. Set the answer before the step
     first compiles: ``torch._functorch.config.activation_memory_budget = found.value``."""
-    from lightning_memest.plan.planner import sized_step
-
-    parsed = check_budget("budget", budget)
-    if parsed.bytes is None:
-        raise ValueError(f"budget must be bytes or a size ('24GiB'), not a share of a device; got {budget!r}")
+    budget_bytes = plan_budget_bytes(budget)
     step = sized_step(model, batch, **estimate_args)
     baseline = step.estimate_at()
     if not baseline.compiled:
@@ -222,11 +219,11 @@ def plan_compiled_budget(
     if baseline.compiled_eagerly is not None:
         why = baseline.compiled_eagerly
         raise EstimationError(f"the compiled step could not be simulated as compiled: {why}")
-    return compiled_budget(step, parsed.bytes, values=values, on_value=on_value)
+    return compiled_budget(step, budget_bytes, values=values, on_value=on_value)
 
 
 def _trial(step: SizedStep, value: float) -> BudgetTrial:
-    under = dataclasses.replace(step, simulate=_under(value, step.simulate), _estimates={}, _trace=[])
+    under = dataclasses.replace(step.fresh(), simulate=_under(value, step.simulate))
     try:
         estimate = under.estimate_at()
     except (EstimationError, MemestError) as e:

@@ -45,7 +45,7 @@ from lightning_memest.plan.windows import Candidate, block_windows
 from lightning_memest.report import StepEstimate
 from lightning_memest.search.sizing import SizedStep
 
-__all__ = ["ATTEMPTS", "plan_checkpointing", "plan_step", "sized_step"]
+__all__ = ["ATTEMPTS", "plan_budget_bytes", "plan_checkpointing", "plan_step", "sized_step"]
 
 #: How many plans are simulated before the planner gives its best (each miss lowers the solver's budget).
 ATTEMPTS = 3
@@ -259,15 +259,22 @@ def _check_plan_options(
     """The options of a plan checked (``lightning_memest.options``): the budget in bytes, the modules
     and kinds named, each once."""
     check_model(model)
+    budget_bytes = plan_budget_bytes(budget)
+    names = check_names("modules", modules)
+    chosen = cast(tuple[CheckpointKind, ...], check_names("kinds", kinds, known=KINDS, nonempty=True))
+    check_flag("max_batch_size", max_batch_size)
+    return budget_bytes, names, chosen
+
+
+def plan_budget_bytes(budget: object) -> int:
+    """A plan's ``budget`` checked (``lightning_memest.options``) and in bytes: bytes or a size
+    (``"24GiB"``), not a share of a device (a plan is for a step, not for whatever a device has)."""
     parsed = check_budget("budget", budget)
     if parsed.bytes is None:
         raise ValueError(
             f"budget must be bytes or a size ('24GiB') for a plan, not a share of a device; got {budget!r}"
         )
-    names = check_names("modules", modules)
-    chosen = cast(tuple[CheckpointKind, ...], check_names("kinds", kinds, known=KINDS, nonempty=True))
-    check_flag("max_batch_size", max_batch_size)
-    return parsed.bytes, names, chosen
+    return parsed.bytes
 
 
 def _costs(estimate: StepEstimate, path: str, kinds: Sequence[CheckpointKind]) -> dict[CheckpointKind, int]:
