@@ -189,9 +189,63 @@ def _exact_gp() -> Built:
     return Built(module, data)
 
 
+# --- a neural ODE with an adaptive solver --------------------------------------------------------------------
+class ODEFunc(nn.Module):
+    """The dynamics, counting its evaluations as torchdiffeq's examples do."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(dim, 64), nn.Tanh(), nn.Linear(64, dim))
+        self.nfe = 0
+
+    def forward(self, t: Tensor, y: Tensor) -> Tensor:
+        self.nfe += 1
+        out: Tensor = self.net(y)
+        return out
+
+
+class NeuralODEClassifier(pl.LightningModule):
+    """An ODE block between an encoder and a head, solved by torchdiffeq's adaptive ``dopri5`` and
+    backpropagated through the solver's steps: how many it takes (and so what it keeps for backward)
+    follows from the values alone."""
+
+    def __init__(self, dataset: Dataset[Any], dim: int = 16) -> None:
+        super().__init__()
+        self.encoder, self.func, self.head = nn.Linear(2, dim), ODEFunc(dim), nn.Linear(dim, 2)
+        self.dataset = dataset
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        from torchdiffeq import odeint
+
+        x, y = batch
+        t = torch.linspace(0.0, 1.0, 2)
+        z = odeint(self.func, self.encoder(x), t, method="dopri5", rtol=1e-3, atol=1e-4)[-1]
+        loss = F.cross_entropy(self.head(z), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.dataset, batch_size=128)
+
+
+def _neural_ode() -> Built:
+    g = _generator()
+    angle = torch.rand(512, generator=g) * 3 * torch.pi  # two interleaved spirals
+    label = torch.randint(0, 2, (512,), generator=g)
+    radius = angle / (3 * torch.pi)
+    sign = 1 - 2 * label.float()
+    points = sign[:, None] * torch.stack([radius * angle.cos(), radius * angle.sin()], 1)
+    data = Counting(TensorDataset(points + 0.02 * torch.randn(512, 2, generator=g), label))
+    return Built(NeuralODEClassifier(data), data)
+
+
 CHECK_CASES: tuple[ZooCase, ...] = (
     ZooCase("dist_vae", _vae, what="a VAE on torch.distributions, argument validation on"),
     ZooCase("ppo_categorical", _ppo, what="PPO's clipped objective, a Categorical policy, validation on"),
     ZooCase("forecast_loss_asserts", _forecaster, what="asserts not isnan(loss), isfinite(loss)"),
     ZooCase("gpytorch_exact_gp", _exact_gp, max_steps=3, what="gpytorch exact GP, its debug checks on"),
+    ZooCase("neural_ode_dopri5", _neural_ode, what="torchdiffeq's adaptive dopri5, backprop through its steps"),
 )

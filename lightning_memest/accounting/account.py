@@ -293,6 +293,7 @@ def _account(
         compiled_graphs=sim.compiled_graphs,
         compile_seconds=sim.compile_seconds,
         eval_modules=sim.eval_modules,
+        followed_note=sim.followed_note,
     )
 
 

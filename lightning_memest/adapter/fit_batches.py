@@ -35,6 +35,7 @@ from lightning_memest.batches import iter_tensors, map_tensors
 from lightning_memest.engine.fake import local_tensor
 from lightning_memest.engine.real_path import VALUE_LIMIT
 from lightning_memest.engine.step import optimizer_state_tensors
+from lightning_memest.engine.values.followed_values import FOLLOW_LIMIT
 from lightning_memest.measure import LiveTensorScan, live_tensors, module_tensors, resident_bytes
 from lightning_memest.report import StepEstimate
 from lightning_memest.search.sizing import SizedStep
@@ -58,24 +59,30 @@ def _valued(t: Tensor) -> bool:
     return not (t.is_floating_point() or t.is_complex()) and t.numel() <= VALUE_LIMIT
 
 
-def light_copy(batch: Any) -> Any:
+def light_copy(batch: Any, floats: bool = False) -> Any:
     """``batch`` without its memory: small integer and boolean tensors copied to the CPU (the values a
-    step may read), the others as meta tensors (shapes only)."""
+    step may read), with ``floats`` small floating-point ones too (a step followed on its values:
+    ``engine.values.followed_values``), the others as meta tensors (shapes only)."""
 
     def light(t: Tensor) -> Tensor:
-        if _valued(t) and not t.is_meta:
+        if (_valued(t) or (floats and _followable(t))) and not t.is_meta:
             return t.detach().to("cpu", copy=True)
         return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
 
     return map_tensors(batch, light)
 
 
-def _same_values(a: Any, b: Any) -> bool:
-    """Whether the small integer and boolean tensors of two batches of one signature hold the same values."""
+def _followable(t: Tensor) -> bool:
+    return t.is_floating_point() and t.numel() <= FOLLOW_LIMIT
+
+
+def _same_values(a: Any, b: Any, floats: bool = False) -> bool:
+    """Whether the small integer and boolean tensors (with ``floats``, the small floating-point ones
+    too) of two batches of one signature hold the same values."""
     for x, y in zip(iter_tensors(a), iter_tensors(b), strict=True):
         if (
-            _valued(x)
-            and _valued(y)
+            (_valued(x) or (floats and _followable(x)))
+            and (_valued(y) or (floats and _followable(y)))
             and not x.is_meta
             and not y.is_meta
             and not torch.equal(x.cpu(), y.cpu())
@@ -150,6 +157,7 @@ class FitBatches:
         self.first: Any = None
         """The first batch's light copy (:func:`light_copy`), once estimated."""
         self.reads_values = False
+        self.followed = False
         self.reads_index = False
         """Whether the first estimate's step read its ``batch_idx``."""
         self.scan_seconds = 0.0
@@ -204,7 +212,8 @@ class FitBatches:
         estimate = self._estimate(
             fit.sized(steps=2, calibrate=self._calibration(measuring), residents=residents), fit, residents
         )
-        self.first = light_copy(batch)
+        self.followed = estimate.followed_note is not None  # the step's path follows its floats too
+        self.first = light_copy(batch, self.followed)
         self.reads_values = estimate.reads_values
         self.reads_index = fit.index_reads.read
         self._note(batch, estimate)
@@ -248,7 +257,7 @@ class FitBatches:
             return False
         return (
             batch_signature(batch) != batch_signature(first)
-            or (self.reads_values and not _same_values(first, batch))
+            or (self.reads_values and not _same_values(first, batch, self.followed))
             or self.reads_index
         )
 

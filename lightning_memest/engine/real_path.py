@@ -1,38 +1,8 @@
 """The code path of a real eager run, taken on fake tensors: what libraries check is answered as the
 real run would answer it.
 
-Libraries take another code path when they think they are traced or compiled (they avoid reading
-values, and build what a traced graph needs). They find out by looking at global flags or at the
-tensors they get. Each check, what it looks at, and what the simulation answers (transformers 5.x,
-torch 2.x):
-
-* ``torch.compiler.is_compiling()`` (and ``torch._dynamo.is_compiling``, ``torch._utils.is_compiling``,
-  transformers' ``is_torchdynamo_compiling``): the flag ``torch.compiler._is_compiling_flag``, set
-  only while dynamo traces (a ``torch.compile`` or ``torch.export`` session). The simulation runs
-  eagerly (``engine.compiled``: dynamo's force_eager stance), so it reads ``False``, as a real eager
-  run does.
-* ``torch.compiler.is_exporting()`` (transformers' ``is_torchdynamo_exporting``): the flag
-  ``torch.compiler._is_exporting_flag``, set only by ``torch.export``: ``False`` in both.
-* ``torch.jit.is_tracing()`` (transformers' ``is_jit_tracing``): the JIT tracer's thread-local state
-  (``torch._C._is_tracing()``): ``False`` in both.
-* ``torch.fx._symbolic_trace.is_fx_tracing()``: a thread-local flag set only inside
-  ``Tracer.trace`` (``lightning_memest.fx`` traces *before* it simulates): ``False`` in both.
-* transformers' ``is_cuda_stream_capturing`` / ``is_xpu_stream_capturing``: the real device's current
-  stream (``torch.cuda.is_current_stream_capturing()``), untouched by fake tensors: ``False`` in both.
-* transformers' ``is_torch_fx_proxy(x)`` (``isinstance(x, torch.fx.Proxy)``) and ``is_jax_jitting(x)``
-  (``hasattr(x, "jax")``): ``False`` for a fake tensor as for a real one.
-* transformers' ``is_fake_tensor(x)`` (``isinstance(x, FakeTensor)``): **the one that differs**. It is
-  ``True`` for the simulation's tensors, so ``is_tracing(tensor)`` says "tracing", and the masking
-  utilities (``find_packed_sequence_indices``, ``_ignore_causal_mask_sdpa``,
-  ``_ignore_bidirectional_mask_sdpa``) stop reading the positions and the padding mask: every forward
-  then builds a (batch, 1, query, key) attention mask that the real run skips (it passes
-  ``is_causal=True`` to SDPA instead). Inside :func:`real_path`, ``transformers.utils.import_utils.
-  is_fake_tensor`` answers ``False`` for the simulation's own fake tensors (``is_tracing`` looks it up
-  at each call, so every module that imported ``is_tracing`` sees it), and is put back on exit. It is
-  patched only if transformers was already imported: the estimator never imports it.
-
-The flags are left alone: patching them would make the simulation see what no eager run sees (a step
-that is really compiled is estimated as eager; see ``simulate``).
+Libraries take another code path when they think they are traced or compiled; each check and the
+simulation's answer are in ``engine.tracing_checks`` (only transformers' ``is_fake_tensor`` differs).
 
 Not tracing, transformers reads values: whether the position ids restart (packed sequences), whether
 the padding mask masks anything. The real run answers from the values, so the simulation must know
@@ -58,6 +28,11 @@ most :data:`VALUE_LIMIT` elements -- computed on small real CPU tensors beside t
   a counter such as batch norm's ``num_batches_tracked`` follows the step, an average of
   activations becomes unknown, and so does a parameter once the optimizer updates it from its
   gradient).
+
+A step that failed after an assumed read is simulated again with the floating-point tensors of the
+model and the batch known too, up to ``followed_values.FOLLOW_LIMIT`` elements, with zeros in the
+buffers ``empty`` makes and copies of the real constants the step's code makes outside the fake mode
+(``engine.values.followed_values``): an adaptive solver's control flow on activations.
 
 A scalar read (``.item()``, ``bool(t)``, ``torch.equal``) of a known value returns it, and an op whose
 output size depends on known values (``nonzero``, boolean indexing) gets its real size; neither is a
@@ -99,6 +74,13 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._mode_utils import no_dispatch
 
+from lightning_memest.engine.tracing_checks import transformers_sees_real_tensors
+from lightning_memest.engine.values.followed_values import (
+    FOLLOW_LIMIT,
+    float_value_limit,
+    read_site,
+    values_followed,
+)
 from lightning_memest.engine.values.tensor_facts import BATCH_FLOATS, file_fact
 
 __all__ = [
@@ -177,7 +159,7 @@ def real_path(
     for fake, real in batch:
         values.add_batch_tensor(fake, real)
     with ExitStack() as stack:
-        stack.enter_context(_transformers_sees_real_tensors(mode))
+        stack.enter_context(transformers_sees_real_tensors(mode))
         if cpu_allocator:
             stack.enter_context(_rng_state_copies(mode))
         mode.dispatch = values.dispatch  # type: ignore[method-assign]
@@ -227,28 +209,6 @@ def _rng_state_copies(mode: FakeTensorMode) -> Iterator[None]:
             setattr(m, name, fn)
 
 
-@contextmanager
-def _transformers_sees_real_tensors(mode: FakeTensorMode) -> Iterator[None]:
-    """``transformers.utils.import_utils.is_fake_tensor`` says ``False`` for ``mode``'s tensors."""
-    module = sys.modules.get("transformers.utils.import_utils")
-    original: Callable[[object], bool] | None = getattr(module, "is_fake_tensor", None)
-    if module is None or original is None:
-        yield
-        return
-    checked = original
-
-    def is_fake_tensor(x: object) -> bool:
-        if isinstance(x, FakeTensor) and x.fake_mode is mode:
-            return False  # a real run has a real tensor here
-        return checked(x)
-
-    setattr(module, "is_fake_tensor", is_fake_tensor)  # noqa: B010 (a module attribute mypy cannot see)
-    try:
-        yield
-    finally:
-        setattr(module, "is_fake_tensor", original)  # noqa: B010
-
-
 class KnownValues:
     """The fake mode's ``dispatch``, wrapped: the fake op runs as before, and values are kept beside it.
 
@@ -260,10 +220,11 @@ class KnownValues:
     def __init__(self, mode: FakeTensorMode) -> None:
         self.mode = mode
         self.fake_dispatch = mode.dispatch
-        self.on_read: Callable[[torch._ops.OpOverload, str], None] | None = None
+        self.on_read: Callable[[torch._ops.OpOverload, str, bool], None] | None = None
         """Told of each time a known value decided something (the op, what it answered): a scalar
         read, a data-dependent size."""
         self._copies: ValueCopies = {}
+        self._following = values_followed()
 
     def add_batch_tensor(self, fake: Tensor, real: Tensor) -> None:
         """Know ``fake``'s value: a CPU copy of ``real`` (views of one storage share one copy) -- an
@@ -274,6 +235,8 @@ class KnownValues:
             return
         if _valued_kind(real):
             _know(fake, real, self._copies, VALUE_LIMIT)
+        elif values_followed() and real.is_floating_point():
+            _know(fake, real, self._copies, float_value_limit(FLOAT_VALUE_LIMIT))  # a step followed
         elif real.is_floating_point() and real.numel() <= FLOAT_VALUE_LIMIT and isinstance(fake, FakeTensor):
             # Read by equality checks only (``engine.values.data_dependent``): the batch's floats stay
             # unknown to everything else (the size of a selection of them stays an upper bound).
@@ -292,6 +255,8 @@ class KnownValues:
             out = self.fake_dispatch(func, types, args, kwargs)
             if valued:
                 _forget_written(func, args, kwargs)
+            if self._following and func.overloadpacket.__name__.startswith(_EMPTY) and _all_small(out):
+                _attach(out, _zeros_like(out))  # a buffer code fills before it reads (a solver's stages)
             return out
         all_known = valued > 0 and unvalued == 0
         if func in _READS and all_known:
@@ -324,7 +289,12 @@ class KnownValues:
 
     def _read(self, func: torch._ops.OpOverload, what: str) -> None:
         if self.on_read is not None:
-            self.on_read(func, what)
+            # In a step followed on its values (``engine.values.followed_values``) the answer is this
+            # batch's, not one that holds for every batch: not exact.
+            if not self._following:
+                self.on_read(func, what, True)
+            else:  # by call site: a loop's condition is listed with its trip count
+                self.on_read(func, f"{what}, this batch's (followed), at {read_site()}", False)
 
     def _fake_of(self, real: Any, like: FakeTensor) -> Any:
         """A fake tensor of ``like``'s device for each real output, knowing its value."""
@@ -362,7 +332,7 @@ def know_module_value(fake: Tensor, real: Tensor, copies: ValueCopies) -> None:
     if type(real) not in _PLAIN or real.is_meta:
         return
     if real.is_floating_point():
-        limit = FLOAT_VALUE_LIMIT
+        limit = float_value_limit(FLOAT_VALUE_LIMIT)  # a weight matrix too, in a step followed
     elif real.is_complex() or real.is_quantized:
         return
     else:
@@ -422,11 +392,25 @@ def _count(args: Sequence[object], kwargs: Mapping[str, object]) -> tuple[int, i
     valued = unvalued = 0
     for a in _args(args, kwargs):
         if isinstance(a, Tensor):
-            if known_value(a) is None:
+            if known_value(a) is None and not _followed_constant(a):
                 unvalued += 1
             else:
                 valued += 1
     return valued, unvalued
+
+
+def _zeros_like(out: Any) -> Any:
+    """Zeros of ``out``'s shape, strides and dtype on the CPU (for each tensor of a tuple)."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(_zeros_like(o) for o in out)
+    with no_dispatch():
+        return torch.zeros(0, dtype=out.dtype).new_empty_strided(out.shape, out.stride()).zero_()
+
+
+def _followed_constant(t: Tensor) -> bool:
+    """A real tensor the step's code made outside the fake mode (a solver's coefficient table), whose
+    values a step followed on its values computes with (on a copy: it is never written)."""
+    return type(t) is Tensor and not t.is_meta and t.numel() <= FOLLOW_LIMIT and values_followed()
 
 
 def _floating_argument(args: Sequence[object]) -> bool:
@@ -475,7 +459,7 @@ def _all_small(out: Any, floats: bool = True) -> bool:
         if out.is_floating_point() and not floats:
             # A float factory's grid (``linspace``); a scalar made of a number is the fake mode's own
             # constant already (an optimizer's step counter: read silently, as before).
-            return 1 < out.numel() <= FLOAT_VALUE_LIMIT
+            return int(not values_followed()) < out.numel() <= float_value_limit(FLOAT_VALUE_LIMIT)
         return out.numel() <= VALUE_LIMIT
     if isinstance(out, (tuple, list)):
         return len(out) > 0 and all(_all_small(o, floats) for o in out)
@@ -567,7 +551,7 @@ def _real(a: object, func: torch._ops.OpOverload) -> object:
         if value is None:
             raise _Unknown
         return value
-    if func in _LIFTS and not a.is_meta:
+    if (func in _LIFTS and not a.is_meta) or _followed_constant(a):
         with no_dispatch():
             return a.detach().cpu().clone()
     raise _Unknown  # a real tensor of the user's: never computed on (an in-place op would change it)

@@ -38,7 +38,7 @@ from lightning_memest.engine.distributed import (
     strip_fully_shard,
     untracked_sharding_propagation,
 )
-from lightning_memest.engine.events import Event, OpEvent, Phase, PhaseStart, Role
+from lightning_memest.engine.events import DataDependent, Event, OpEvent, Phase, PhaseStart, Role
 from lightning_memest.engine.fake import (
     FakeConverter,
     fake_module,
@@ -50,7 +50,6 @@ from lightning_memest.engine.fake import (
 from lightning_memest.engine.hooks import module_scopes, saved_tensor_tags, storage_resizes
 from lightning_memest.engine.real_path import real_path
 from lightning_memest.engine.replay.block_replay import (
-    BlockReplay,
     ReplayMismatch,
     ReplayTracker,
     block_replay,
@@ -67,6 +66,13 @@ from lightning_memest.engine.step import (
 )
 from lightning_memest.engine.tracker import CaptureFilter, Tracker
 from lightning_memest.engine.tracking_mode import TrackingFakeTensorMode
+from lightning_memest.engine.values.followed_values import (
+    AssumedReadFailure,
+    following_values,
+    not_followable,
+    unfollowed,
+    values_followed,
+)
 from lightning_memest.errors import EstimationError
 
 __all__ = ["ModuleNode", "Simulation", "simulate", "simulate_replaying"]
@@ -138,6 +144,9 @@ class Simulation:
     """Of ``seconds``, the time dynamo, AOTAutograd and inductor spent compiling (cache hits included)."""
     eval_modules: tuple[str, ...] = ()
     """The outermost modules in eval mode when the step began, simulated so (as Lightning runs them)."""
+    followed_note: str | None = None
+    """Where the step failed after an assumed read and was simulated again on this batch's values and the
+    model's weights (``engine.values.followed_values``), the failure; ``None`` otherwise."""
 
     @property
     def is_cuda(self) -> bool:
@@ -210,15 +219,33 @@ def simulate(
         companions=companions,
         replay_blocks=replay_blocks,
     )
+
+    def run(eager_why: str | None) -> Simulation:
+        try:
+            return _simulate(model, batch, config, eager=eager_why, **kwargs)
+        except AssumedReadFailure as failure:
+            # It may be the assumption's doing: simulate again on the values (engine.values.followed_values).
+            named = [(f"the parameter or buffer {n!r}", t) for n, t, _ in resident_tensors(model)]
+            named += [("a batch tensor", t) for b in (batch, *next_batches) for t in iter_tensors(b)]
+            why = not_followable(named)
+            if why is not None:
+                raise unfollowed(failure.error, why) from failure.error
+            start = time.perf_counter()
+            with following_values():
+                sim = _simulate(model, batch, config, eager=eager_why, **kwargs)
+            note = f"simulated again on this batch's values and the model's weights: {failure.error}"
+            seconds = sim.seconds + time.perf_counter() - start
+            return dataclasses.replace(sim, seconds=seconds, followed_note=note)
+
     if eager:
-        return _simulate(model, batch, config, eager=_ASKED_EAGER, **kwargs)
+        return run(_ASKED_EAGER)
     try:
-        return _simulate(model, batch, config, eager=None, **kwargs)
+        return run(None)
     except EstimationError as exc:
         failure = compile_failure(exc)
         if failure is None:
             raise
-    return _simulate(model, batch, config, eager=f"its compile failed on fake tensors: {failure}", **kwargs)
+    return run(f"its compile failed on fake tensors: {failure}")
 
 
 #: ``Simulation.compiled_eagerly`` where ``eager=True`` asked for it.
@@ -335,13 +362,21 @@ def _simulate(
                 # Stand-ins ran before it failed: replay may be at fault (a device or a setting no test
                 # reached), so the caller simulates again without it.
                 raise ReplayMismatch(f"the replayed step failed: {type(exc).__name__}: {exc}") from exc
-            if isinstance(exc, EstimationError):
+            error = (
+                exc
+                if isinstance(exc, EstimationError)
+                else EstimationError(
+                    f"the step failed on fake tensors: {type(exc).__name__}: {exc}",
+                    op=_last_op(tracker.events),
+                    module=tracker.module or None,
+                )
+            )
+            assumed = any(isinstance(e, DataDependent) and not e.exact for e in tracker.events)
+            if assumed and not values_followed():
+                raise AssumedReadFailure(error) from exc  # simulate() follows the values, where it can
+            if error is exc:
                 raise
-            raise EstimationError(
-                f"the step failed on fake tensors: {type(exc).__name__}: {exc}",
-                op=_last_op(tracker.events),
-                module=tracker.module or None,
-            ) from exc
+            raise error from exc
         del step
     seconds = time.perf_counter() - start
     shapes = tuple(
@@ -361,7 +396,7 @@ def _simulate(
         tuple(sorted(tracker.real_ops.items())),
         replayed_blocks=tuple(sorted(replay.replayed.items())) if replay is not None else (),
         replayed_updates=updates.count if updates is not None else 0,
-        replay_note=_replay_note(replay),
+        replay_note=replay.note() if replay is not None else None,
         compiled=compiled,
         compiled_eagerly=eager if compiled or eager not in (None, _ASKED_EAGER) else None,
         compiled_graphs=tuple(record.graphs) if record is not None else (),
@@ -372,16 +407,6 @@ def _simulate(
 
 def _same(t: Tensor) -> Tensor:
     return t
-
-
-def _replay_note(replay: BlockReplay | None) -> str | None:
-    """Why the groups of alike blocks that were never replayed were not: the first failed check."""
-    if replay is None:
-        return None
-    off = {path: why for path, why in replay.off.items() if path not in replay.replayed}
-    if not off:
-        return None
-    return "; ".join(f"{path or 'the model'}: {why}" for path, why in sorted(off.items()))
 
 
 def simulate_replaying(run: Callable[[bool], Simulation], replay: bool) -> Simulation:

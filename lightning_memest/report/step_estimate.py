@@ -272,6 +272,11 @@ class StepEstimate:
     eval_modules: tuple[str, ...] = ()
     """The outermost modules that were in eval mode, and were simulated so (no dropout, running
     statistics used): Lightning's fit runs each module in the mode the user left it in."""
+    followed_note: str | None = None
+    """Where the step failed on an assumed read and was simulated again on this batch's values and the
+    model's weights (an adaptive solver's step count, a range check: ``engine.values.followed_values``),
+    the failure; the figures then hold for this batch and these weights, and the reads decided by them
+    are listed as ones that could lower the estimate. ``None`` otherwise."""
 
     def __repr__(self) -> str:
         peaks = ", ".join(f"step {p.step} {p.bytes:,} B" for p in self.peaks)
@@ -339,6 +344,11 @@ class StepEstimate:
             lines.append(
                 f"  the step read tensor values {exact + assumed} time(s): {exact} exact (known values), "
                 f"{assumed} assumed (see .data_dependent){could}"
+            )
+        if self.followed_note:
+            lines.append(
+                "  followed on this batch's values and weights (its code failed on assumed ones): "
+                "another batch, or weights later in training, may take another path"
             )
         return "\n".join(lines)
 
@@ -422,6 +432,7 @@ class StepEstimate:
             "compiled_graphs": list(self.compiled_graphs),
             "compile_seconds": round(self.compile_seconds, 4),
             "eval_modules": list(self.eval_modules),
+            "followed_note": self.followed_note,
             "phase_marks": [
                 {
                     "step": m.step,

@@ -448,6 +448,13 @@ class BlockReplay:
         state.backward_ready = True
         return template
 
+    def note(self) -> str | None:
+        """Why the groups of alike blocks that were never replayed were not: the first failed check."""
+        off = {path: why for path, why in self.off.items() if path not in self.replayed}
+        if not off:
+            return None
+        return "; ".join(f"{path or 'the model'}: {why}" for path, why in sorted(off.items()))
+
     def stood_in(self) -> bool:
         """Whether any stand-in ran in this simulation (this step, or an earlier one)."""
         return bool(self.replayed) or any(state.replayed for state in self.groups)

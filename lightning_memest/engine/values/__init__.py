@@ -7,7 +7,8 @@ and ``elementwise_sets.py``), ``nonzero_bounds.py`` (how many elements a mask ca
 ``router_shares.py`` (a router's picks shared among the experts that select them),
 ``tensor_facts.py`` (what is known of a tensor's values, tied to its storage's writes),
 ``assumed_values.py`` (what an unknown value is assumed not to equal, for upper bounds),
-``read_guard.py`` (a cap on reads of assumed values per call site: no simulated loop spins forever).
+``read_guard.py`` (a cap on reads of assumed values per call site: no simulated loop spins forever),
+``followed_values.py`` (a step that failed after assumed reads, simulated again on its values).
 """
 
 __all__: list[str] = []
