@@ -169,3 +169,49 @@ def test_gpt2_dropout_masks_are_bool_in_a_cuda_what_if(monkeypatch: pytest.Monke
     # eager attention drops its weights with F.dropout (counted in the attention module)
     weights = 2 * b * h * s * s
     assert cpu[""] - cuda[""] == 3 * (sum(masks.values()) + weights)
+
+
+class FlexBlock(nn.Module):
+    """Causal self-attention through ``flex_attention`` (eager: its dense composite), or none."""
+
+    def __init__(self, flex: bool, d: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.qkv, self.o, self.heads, self.flex = nn.Linear(d, 3 * d), nn.Linear(d, d), heads, flex
+
+    def forward(self, x: Tensor) -> Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+
+        def causal(score: Tensor, b: Tensor, h: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+            return torch.where(qi >= ki, score, -float("inf"))
+
+        y = flex_attention(q, k, v, score_mod=causal) if self.flex else q * k + v
+        out: Tensor = self.o(y.transpose(1, 2).reshape(b, t, d))  # type: ignore[union-attr]
+        return out
+
+
+@pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile")
+def test_flex_attention_in_a_cuda_what_if_allocates_what_its_dense_eager_run_allocates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On the CPU flex_attention refuses inputs that require grad; eager on CUDA it runs the same dense
+    # composite forward and backward. Measured here by the profiler with the CPU's refusal lifted, and
+    # compared as what attention adds to the same block without it (the what-if's CUDA-only memory,
+    # cuBLAS's workspace, cancels).
+    import torch.nn.attention.flex_attention as flex_module
+
+    from lightning_memest.engine.step import StepConfig
+    from lightning_memest.measure import measure_step
+
+    x = torch.randn(2, 256, 64)
+    config = StepConfig(loss_fn=lambda m, b: m(b).sum())
+    what_if = {f: estimate_step(FlexBlock(f), x, loss_fn=config.loss_fn, device="cuda") for f in (True, False)}
+    with monkeypatch.context() as patched:
+        patched.setattr(flex_module, "_validate_device", lambda query, key, value: None)
+        real = {f: measure_step(FlexBlock(f), x, config) for f in (True, False)}
+    added = what_if[True].first_step.bytes - what_if[False].first_step.bytes
+    measured = real[True].first_step - real[False].first_step
+    assert measured > 1 << 20  # the scores, materialised
+    assert measured <= added <= 1.05 * measured, (added, measured)  # CUDA's 512-byte blocks at most

@@ -41,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -153,6 +154,25 @@ class _CudaPaths(TorchFunctionMode):
 
 @contextmanager
 def cuda_code_paths(tracker: Tracker) -> Iterator[None]:
-    """Inside: the CUDA branches of :data:`CUDA_PATHS` are taken (a CUDA what-if's step)."""
-    with _CudaPaths(tracker):
+    """Inside: the CUDA branches of :data:`CUDA_PATHS` are taken (a CUDA what-if's step), and
+    ``flex_attention`` takes gradients as on CUDA (:func:`_flex_attention_as_cuda`)."""
+    with _CudaPaths(tracker), _flex_attention_as_cuda():
         yield
+
+
+@contextmanager
+def _flex_attention_as_cuda() -> Iterator[None]:
+    """``torch.nn.attention.flex_attention`` refuses inputs that require grad on the CPU only
+    (``_validate_device``: "does not support backward on CPU"); on CUDA, eager, the same higher-order
+    op runs its dense implementation forward and backward -- the one that runs here on the fake CPU
+    tensors. Inside, the device check is CUDA's (none for CUDA); put back on exit."""
+    module = sys.modules.get("torch.nn.attention.flex_attention")
+    original = getattr(module, "_validate_device", None)
+    if module is None or original is None:
+        yield
+        return
+    setattr(module, "_validate_device", lambda query, key, value: None)  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(module, "_validate_device", original)  # noqa: B010

@@ -20,6 +20,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from lightning_memest.engine.events import Phase
+from lightning_memest.engine.higher_order_ops import register_composites
 from lightning_memest.engine.pointer_kernels import pointer_kernels
 from lightning_memest.engine.real_path import known_value
 from lightning_memest.engine.sparse import carry_indices, sparse_rule
@@ -208,3 +209,7 @@ def _takes_nested(args: Sequence[object]) -> bool:
     """Whether a real nested tensor is among the arguments (made by an op run for real,
     ``engine.real_ops``): its own kernel runs it, not the dense composite."""
     return any(type(a) is Tensor and a.is_nested for a in args)
+
+
+# flex_attention's eager composite runs inside the mode (its ops the step's): engine.higher_order_ops
+register_composites(TrackingFakeTensorMode)
