@@ -228,7 +228,7 @@ class NeuralODEClassifier(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
     def train_dataloader(self) -> DataLoader[Any]:
-        return DataLoader(self.dataset, batch_size=128)
+        return DataLoader(self.dataset, batch_size=64)
 
 
 def _neural_ode() -> Built:
