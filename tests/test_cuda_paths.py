@@ -207,7 +207,9 @@ def test_flex_attention_in_a_cuda_what_if_allocates_what_its_dense_eager_run_all
 
     x = torch.randn(2, 256, 64)
     config = StepConfig(loss_fn=lambda m, b: m(b).sum())
-    what_if = {f: estimate_step(FlexBlock(f), x, loss_fn=config.loss_fn, device="cuda") for f in (True, False)}
+    what_if = {
+        f: estimate_step(FlexBlock(f), x, loss_fn=config.loss_fn, device="cuda") for f in (True, False)
+    }
     with monkeypatch.context() as patched:
         patched.setattr(flex_module, "_validate_device", lambda query, key, value: None)
         real = {f: measure_step(FlexBlock(f), x, config) for f in (True, False)}

@@ -77,5 +77,6 @@ class CheckedWide(nn.Module):
 
 
 def test_a_failed_step_too_large_to_follow_says_why() -> None:
-    with pytest.raises(EstimationError, match=r"(?s)dead layer.*not simulated again.*'wide.weight' has 2,097,152"):
+    why = r"(?s)dead layer.*not simulated again.*'wide.weight' has 2,097,152"
+    with pytest.raises(EstimationError, match=why):
         estimate_step(CheckedWide(), torch.randn(4, 2048), loss_fn=lambda m, b: m(b))

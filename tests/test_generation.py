@@ -208,9 +208,28 @@ def test_a_loop_waiting_on_an_unknown_value_fails_within_the_cap(monkeypatch: py
             laps.append(1)
         return h.sum()
 
-    with pytest.raises(EstimationError, match=r"41 times at .*test_generation\.py:\d+ \(loss_fn\)"):
-        estimate_step(nn.Linear(4, 4), torch.randn(2, 4), loss_fn=loss_fn)
+    # Too large to follow on its values (a 2048 x 1024 weight): the cap ends it, the line named.
+    with pytest.raises(
+        EstimationError,
+        match=r"(?s)41 times at .*test_generation\.py:\d+ \(loss_fn\).*'weight' has 2,097,152 elements",
+    ):
+        estimate_step(nn.Linear(2048, 1024), torch.randn(2, 2048), loss_fn=loss_fn)
     assert len(laps) == 40
+    # Small enough: simulated again on the batch's values and weights, the loop ends where the real one
+    # does, and its condition is listed by its line with its count.
+    laps.clear()
+    torch.manual_seed(0)
+    model, batch = nn.Linear(4, 4), torch.randn(2, 4)
+    est = estimate_step(model, batch, loss_fn=loss_fn)
+    assert est.followed_note is not None and "41 times" in est.followed_note
+    h, real_laps = model(batch), 0
+    while not bool((h > 0).all()):
+        h, real_laps = h + 1, real_laps + 1
+    site = [
+        r for r in est.data_dependent or () if "test_generation.py" in r.assumed and "(loss_fn)" in r.assumed
+    ]
+    assert sum(r.count for r in site) == 2 * (real_laps + 1), (site, real_laps)  # two steps' conditions
+    assert all(r.may_lower for r in site)
 
 
 def test_loops_on_known_values_are_not_capped(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,7 +3,8 @@ a variational autoencoder and a PPO policy on ``torch.distributions`` with argum
 default: every distribution built from a network's output checks its parameters), a forecaster that
 asserts its loss is neither NaN nor infinite (as pytorch-forecasting's ``BaseModel.step`` does), and an
 exact Gaussian process in gpytorch (its debug check, on by default, that it trains on its training
-inputs; a Cholesky factor and triangular solves, forward and backward).
+inputs; a Cholesky factor and triangular solves, forward and backward), and a neural ODE solved by
+torchdiffeq's adaptive dopri5 (its step count follows from the values: the step is followed on them).
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def _exact_gp() -> Built:
     return Built(module, data)
 
 
-# --- a neural ODE with an adaptive solver --------------------------------------------------------------------
+# --- a neural ODE with an adaptive solver ------------------------------------------------------------------
 class ODEFunc(nn.Module):
     """The dynamics, counting its evaluations as torchdiffeq's examples do."""
 
@@ -247,5 +248,5 @@ CHECK_CASES: tuple[ZooCase, ...] = (
     ZooCase("ppo_categorical", _ppo, what="PPO's clipped objective, a Categorical policy, validation on"),
     ZooCase("forecast_loss_asserts", _forecaster, what="asserts not isnan(loss), isfinite(loss)"),
     ZooCase("gpytorch_exact_gp", _exact_gp, max_steps=3, what="gpytorch exact GP, its debug checks on"),
-    ZooCase("neural_ode_dopri5", _neural_ode, what="torchdiffeq's adaptive dopri5, backprop through its steps"),
+    ZooCase("neural_ode_dopri5", _neural_ode, what="torchdiffeq's adaptive dopri5, backprop through it"),
 )
