@@ -255,7 +255,7 @@ class KnownValues:
             out = self.fake_dispatch(func, types, args, kwargs)
             if valued:
                 _forget_written(func, args, kwargs)
-            if self._following and func.overloadpacket.__name__.startswith(_EMPTY) and _all_small(out):
+            if self._following and _is_empty_factory(func) and _all_small(out):
                 _attach(out, _zeros_like(out))  # a buffer code fills before it reads (a solver's stages)
             return out
         all_known = valued > 0 and unvalued == 0
@@ -397,6 +397,10 @@ def _count(args: Sequence[object], kwargs: Mapping[str, object]) -> tuple[int, i
             else:
                 valued += 1
     return valued, unvalued
+
+
+def _is_empty_factory(func: object) -> bool:
+    return isinstance(func, torch._ops.OpOverload) and func.overloadpacket.__name__.startswith(_EMPTY)
 
 
 def _zeros_like(out: Any) -> Any:
