@@ -11,7 +11,9 @@ on a machine without a GPU), the estimate on fake CUDA tensors (the GPU's own di
 ``max_memory_allocated`` of each step (``measure_step``), with the what-if's error against the
 measurement. Cases: an MLP with ``nn.Dropout(0.1)`` in float32; transformers' GPT-2 (4 layers, eager
 attention, dropout 0.1); an attention block in float16 with the default flags, with flash turned off,
-and with only math. Then the phase marks (``StepEstimate.phase_marks``): ``memory_allocated()`` after
+and with only math; four attention blocks under selective checkpointing whose policy saves CUDA's
+attention ops (the what-if shows the policy the op this card's dispatcher picks). Then the phase marks
+(``StepEstimate.phase_marks``): ``memory_allocated()`` after
 the forward, the backward and the optimizer step of a real first step of the MLP, against the marks'
 ``allocated_bytes`` of the GPU estimate and of the what-if.
 """
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_memest import estimate_step
+from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.engine.step import StepConfig
 from lightning_memest.measure import measure_step
 
@@ -59,6 +62,35 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(y.transpose(1, 2).reshape(b, s, d))
+
+
+class CheckpointedAttention(nn.Module):
+    """Four attention blocks, each under selective checkpointing with a policy written for CUDA: it saves
+    CUDA's attention ops (flash, efficient, cuDNN), as torchtitan's does, and recomputes the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Attention() for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        from functools import partial
+
+        from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+        aten = torch.ops.aten
+        save = {
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_cudnn_attention.default,
+        }
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+        for block in self.blocks:
+            contexts = partial(create_selective_checkpoint_contexts, policy)
+            x = x + checkpoint(block, x, use_reentrant=False, context_fn=contexts)
+        return x
 
 
 @contextmanager
@@ -103,16 +135,21 @@ def cases() -> Iterator[tuple[str, Callable[[], Any], dict[str, bool]]]:
     yield "attention_fp16_default", attention, {}
     yield "attention_fp16_flash_off", attention, {"flash": False}
     yield "attention_fp16_math_only", attention, {"flash": False, "efficient": False, "cudnn": False}
+    sac = lambda: (CheckpointedAttention().half(), torch.randn(8, 1024, 512).half(), plain)  # noqa: E731
+    yield "attention_fp16_sac_cuda_policy", sac, {}
 
 
 def run(name: str, build: Callable[[], Any], flags: dict[str, bool]) -> dict[str, Any]:
     torch.manual_seed(0)
     model, batch, loss = build()
     config = StepConfig(loss_fn=loss, optimizer=torch.optim.AdamW)
+    this_gpu = CudaDevice.local(torch.device("cuda"))  # the what-if for this card (its SDP backend)
     with sdp(**flags):
         os.environ["MEMEST_CUDA_WHAT_IF"] = "1"
         try:
-            what_if = estimate_step(model, batch, loss_fn=loss, optimizer=torch.optim.AdamW, device="cuda")
+            what_if = estimate_step(
+                model, batch, loss_fn=loss, optimizer=torch.optim.AdamW, device="cuda", gpu=this_gpu
+            )
         finally:
             del os.environ["MEMEST_CUDA_WHAT_IF"]
         gpu = estimate_step(model, batch, loss_fn=loss, optimizer=torch.optim.AdamW, device="cuda")

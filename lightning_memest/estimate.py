@@ -153,6 +153,7 @@ def estimate(
             capture=capture,
             next_batches=next_batches,
             replay_blocks=replay,
+            cuda_capability=gpu.capability if gpu is not None else None,
         )
 
     sim = simulate_replaying(run, replay_blocks and loop == "train" and config.strategy is None)

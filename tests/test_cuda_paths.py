@@ -217,3 +217,73 @@ def test_flex_attention_in_a_cuda_what_if_allocates_what_its_dense_eager_run_all
     measured = real[True].first_step - real[False].first_step
     assert measured > 1 << 20  # the scores, materialised
     assert measured <= added <= 1.05 * measured, (added, measured)  # CUDA's 512-byte blocks at most
+
+
+class CheckpointedAttention(nn.Module):
+    """Self-attention under torch's selective checkpointing with the given policy."""
+
+    def __init__(self, policy: Callable[..., Any], d: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.qkv, self.o, self.heads, self.policy = nn.Linear(d, 3 * d), nn.Linear(d, d), heads, policy
+
+    def attend(self, x: Tensor) -> Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return (y.transpose(1, 2).reshape(b, t, d) * 2).relu()
+
+    def forward(self, x: Tensor) -> Tensor:
+        from functools import partial
+
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        contexts = partial(create_selective_checkpoint_contexts, self.policy)
+        out: Tensor = self.o(checkpoint(self.attend, x, use_reentrant=False, context_fn=contexts))
+        return out
+
+
+def _saving(ops: set[Any], seen: list[Any]) -> Callable[..., Any]:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        seen.append(op)
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+@pytest.mark.parametrize(
+    ("capability", "dtype", "picked"),
+    [((8, 0), torch.float32, "efficient"), ((8, 0), torch.bfloat16, "flash"), ((9, 0), torch.bfloat16, "cudnn")],
+)
+def test_a_checkpoint_policy_written_for_cuda_sees_cudas_attention_op_in_a_what_if(
+    capability: tuple[int, int], dtype: torch.dtype, picked: str
+) -> None:
+    # A policy that saves CUDA's attention outputs (as torchtitan's does) saw the CPU kernel's name in a
+    # what-if and recomputed attention: the estimate kept less than the CUDA run keeps.
+    aten = torch.ops.aten
+    cuda_ops = {
+        "flash": aten._scaled_dot_product_flash_attention.default,
+        "efficient": aten._scaled_dot_product_efficient_attention.default,
+        "cudnn": aten._scaled_dot_product_cudnn_attention.default,
+    }
+    cpu_op = aten._scaled_dot_product_flash_attention_for_cpu.default
+    x = torch.randn(2, 256, 64)
+    gpu = CudaDevice(capability=capability)
+
+    def kept(policy: Callable[..., Any]) -> int:
+        model = CheckpointedAttention(policy).to(dtype)
+        est = estimate_step(model, x.to(dtype), loss_fn=lambda m, b: m(b).sum(), device="cuda", gpu=gpu)
+        # what the forward leaves for backward (its end), where a saved attention output shows
+        return next(m.live_bytes for m in est.phase_marks if m.step == 1 and m.phase.name == "FORWARD")
+
+    seen: list[Any] = []
+    with_cuda_names = kept(_saving(set(cuda_ops.values()), seen))
+    assert cuda_ops[picked] in seen and cpu_op not in seen, seen
+    recomputed = kept(_saving(set(), []))
+    assert kept(_saving({cpu_op}, [])) == recomputed  # the CPU's name is never shown: CUDA never runs it
+    output = 2 * 256 * 64 * dtype.itemsize  # (B, H, T, D/H): saved, not recomputed, from forward's end on
+    assert with_cuda_names - recomputed >= output, (with_cuda_names, recomputed)
+    # A policy naming another backend's op alone recomputes, as the GPU that picks this one would.
+    others = {op for name, op in cuda_ops.items() if name != picked}
+    assert kept(_saving(others, [])) == recomputed

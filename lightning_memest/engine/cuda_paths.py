@@ -52,11 +52,12 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from lightning_memest.engine.cuda_autocast import autocast_cast
+from lightning_memest.engine.cuda_sdp_choice import AttentionCall, cuda_backend
 
 if TYPE_CHECKING:
     from lightning_memest.engine.tracker import Tracker
 
-__all__ = ["CUDA_PATHS", "cuda_code_paths", "sdp_enabled"]
+__all__ = ["CUDA_PATHS", "cuda_attention_op", "cuda_code_paths", "sdp_enabled"]
 
 #: A path: ``(tracker, args, kwargs) -> result``, or ``NotImplemented`` to take the plain path.
 Path = Callable[["Tracker", Sequence[Any], Mapping[str, Any]], Any]
@@ -153,11 +154,83 @@ class _CudaPaths(TorchFunctionMode):
 
 
 @contextmanager
-def cuda_code_paths(tracker: Tracker) -> Iterator[None]:
-    """Inside: the CUDA branches of :data:`CUDA_PATHS` are taken (a CUDA what-if's step), and
-    ``flex_attention`` takes gradients as on CUDA (:func:`_flex_attention_as_cuda`)."""
-    with _CudaPaths(tracker), _flex_attention_as_cuda():
+def cuda_code_paths(tracker: Tracker, capability: tuple[int, int] | None = None) -> Iterator[None]:
+    """Inside: the CUDA branches of :data:`CUDA_PATHS` are taken (a CUDA what-if's step),
+    ``flex_attention`` takes gradients as on CUDA (:func:`_flex_attention_as_cuda`), and selective
+    checkpointing's policies are shown the attention op CUDA would run on a GPU of ``capability``
+    (:func:`_policies_see_cuda_ops`; ``None``: an A100, as the accounting assumes)."""
+    with _CudaPaths(tracker), _flex_attention_as_cuda(), _policies_see_cuda_ops(tracker, capability):
         yield
+
+
+#: The op CUDA's SDPA dispatches to, per backend (math decomposes into ops the CPU flash kernel does not
+#: show: a policy sees the CPU op there).
+_CUDA_ATTENTION_OPS = {
+    "flash": torch.ops.aten._scaled_dot_product_flash_attention.default,
+    "efficient": torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    "cudnn": torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+}
+_CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+
+def cuda_attention_op(
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    context: Sequence[tuple[str, Any]],
+    capability: tuple[int, int] | None,
+) -> Any:
+    """The op CUDA's dispatcher runs for the what-if's CPU flash attention call (``args``, ``kwargs``,
+    and the flags and dropout :func:`_attention` recorded in ``context``), or the CPU op itself where
+    CUDA would take math."""
+    q, k, v = args[:3]
+    noted = dict(context)
+    dropout_p = float(noted.get("dropout_p", 0.0))
+    call = AttentionCall(
+        batch=q.shape[0],
+        heads=q.shape[1],
+        q_len=q.shape[2],
+        kv_len=k.shape[2],
+        head_dim=q.shape[3],
+        value_head_dim=v.shape[3],
+        dtype=q.dtype,
+        has_mask=kwargs.get("attn_mask") is not None,
+        dropout=dropout_p > 0.0,
+        is_causal=bool(_arg(args, kwargs, 4, "is_causal", False)),
+        requires_grad=True,  # inside a checkpointed region of a training step
+        dropout_p=dropout_p,
+    )
+    backend = cuda_backend(call, capability, enabled=noted.get("sdp_enabled"))
+    return _CUDA_ATTENTION_OPS.get(backend, _CPU_FLASH)
+
+
+@contextmanager
+def _policies_see_cuda_ops(tracker: Tracker, capability: tuple[int, int] | None) -> Iterator[None]:
+    """A selective-checkpoint policy written for CUDA names CUDA's ops (``aten.
+    _scaled_dot_product_flash_attention``, ``_efficient_``, ``_cudnn_``); the what-if runs the CPU's
+    flash kernel, whose name no such policy lists, so attention it saves on CUDA would be recomputed
+    (kept less than the CUDA run keeps). Inside, every policy torch's selective checkpointing builds
+    (``_CachingTorchDispatchMode``, the one that asks it) is shown the op CUDA would run instead."""
+    import torch.utils.checkpoint as checkpoint
+
+    mode = getattr(checkpoint, "_CachingTorchDispatchMode", None)
+    if mode is None:
+        yield
+        return
+    original = mode.__init__
+
+    def shown_cuda_ops(self: Any, policy_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+        def policy(ctx: Any, func: Any, *op_args: Any, **op_kwargs: Any) -> Any:
+            if func is _CPU_FLASH:
+                func = cuda_attention_op(op_args, op_kwargs, tracker.op_context, capability)
+            return policy_fn(ctx, func, *op_args, **op_kwargs)
+
+        original(self, policy, *args, **kwargs)
+
+    mode.__init__ = shown_cuda_ops
+    try:
+        yield
+    finally:
+        mode.__init__ = original
 
 
 @contextmanager

@@ -169,6 +169,7 @@ def simulate(
     companions: Sequence[nn.Module] = (),
     replay_blocks: bool = False,
     eager: bool = False,
+    cuda_capability: tuple[int, int] | None = None,
 ) -> Simulation:
     """Run ``steps`` training steps of ``model`` on fake tensors of ``device``; record every event.
 
@@ -199,7 +200,9 @@ def simulate(
     inductor compile it for real, and the buffer plan inductor generated runs on fake tensors
     (``engine.compiled``); ``eager=True`` runs its eager code instead, as does a step whose compile
     fails on fake tensors (simulated again eagerly: ``Simulation.compiled_eagerly`` says why). Blocks
-    inside a compiled module are not replayed (dynamo traces them).
+    inside a compiled module are not replayed (dynamo traces them). In a CUDA what-if,
+    ``cuda_capability`` is the GPU's (``None``: an A100): selective-checkpoint policies are shown the
+    attention op CUDA runs on it (``engine.cuda_paths``).
 
     Example:
         >>> import torch
@@ -218,6 +221,7 @@ def simulate(
         kept=kept,
         companions=companions,
         replay_blocks=replay_blocks,
+        cuda_capability=cuda_capability,
     )
 
     def run(eager_why: str | None) -> Simulation:
@@ -267,6 +271,7 @@ def _simulate(
     companions: Sequence[nn.Module],
     replay_blocks: bool,
     eager: str | None,
+    cuda_capability: tuple[int, int] | None,
 ) -> Simulation:
     """:func:`simulate`, compiled code run compiled, or eagerly where ``eager`` says why."""
     if steps < 1:
@@ -292,7 +297,7 @@ def _simulate(
         if what_if == "cuda" and autocast_dtype(precision) is not None:
             stack.enter_context(cuda_autocast_lists())  # the CPU's autocast, with CUDA's op lists
         if what_if == "cuda":
-            stack.enter_context(cuda_code_paths(tracker))  # CUDA's branches of composite ops
+            stack.enter_context(cuda_code_paths(tracker, cuda_capability))  # CUDA's branches, its op names
         record = stack.enter_context(simulated_compiles(mode)) if as_compiled else None
         if record is None:
             # compiled code runs eagerly, and is compiled at its first real call as it would have been

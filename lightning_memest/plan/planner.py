@@ -147,6 +147,7 @@ def sized_step(
                 capture=capture_filter(flops=flops, calibrate=calibrate),
                 next_batches=next_batches,
                 replay_blocks=replay,
+                cuda_capability=gpu.capability if gpu is not None else None,
             )
 
         return simulate_replaying(simulated, replay_blocks and strategy is None)

@@ -448,7 +448,7 @@ def max_batch_size(
         def run(with_replay: bool) -> Simulation:
             return simulate(
                 model, make_batch(n), config, device=device, steps=steps, capture=capture,
-                replay_blocks=with_replay,
+                replay_blocks=with_replay, cuda_capability=gpu.capability if gpu is not None else None,
             )  # fmt: skip
 
         sim = simulate_replaying(run, replay)
