@@ -48,6 +48,7 @@ from lightning_memest.engine.fake import (
     swappable_fakes,
 )
 from lightning_memest.engine.hooks import module_scopes, saved_tensor_tags, storage_resizes
+from lightning_memest.engine.meta_init import initialised_sharded
 from lightning_memest.engine.real_path import real_path
 from lightning_memest.engine.replay.block_replay import (
     ReplayMismatch,
@@ -280,6 +281,7 @@ def _simulate(
     start = time.perf_counter()
     modules = ModuleNode.of(model)
     compiled, in_eval = compiled_modules(model), outermost_modules(model, lambda m: not m.training)
+    on_meta = all(t.is_meta for _, t, _ in resident_tensors(model)) and any(True for _ in model.parameters())
     # Nothing can be compiled in a process that never imported dynamo (torch.compile imports it).
     as_compiled = eager is None and "torch._dynamo" in sys.modules
     inside, in_place = inside_compiled(model) if as_compiled else (frozenset(), ())
@@ -318,6 +320,7 @@ def _simulate(
             real_path(mode, known, cpu_allocator=target.type == "cpu" and what_if is None)
         )
         values.on_read = tracker.value_read
+        setup_start = len(tracker.events)
         for t, role, path in _residents(model, fake_batch):
             tracker.add_resident(t, role, path)
         companion_fakes = [t for c in companions for _, t, _ in resident_tensors(c)]
@@ -347,6 +350,8 @@ def _simulate(
                 others = [(t, Role.OTHER, "") for t in [*residents, *companion_fakes]]
                 others += [(t, role, "") for t, role in kept]
                 tracker.settle_residents([*_residents(model, fake_batch), *others])
+                if on_meta and isinstance(strategy, FSDP):  # built on meta, sharded, then materialised
+                    initialised_sharded(tracker.events, setup_start)
             current = fake_batch
             for i in range(steps):
                 following = fakes[min(i, len(fakes) - 1)]
