@@ -144,6 +144,9 @@ REAL_RUNS: dict[str, DDP | FSDP] = {
     # FSDP's mixed-precision policy (bf16 all-gathered parameters, fp32 reduction) and no resharding.
     "fsdp_bf16": FSDP(2, param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
     "fsdp_kept": FSDP(2, reshard_after_forward=False),
+    # Units left gathered alone: the last block (the recipe of large jobs: backward needs it first) and
+    # the first (kept from its forward to its backward: +3.2 MB in the estimate).
+    "fsdp_last": FSDP(2, kept_gathered=("blocks.0", "blocks.3")),
 }
 
 
@@ -156,6 +159,7 @@ REAL_RUNS: dict[str, DDP | FSDP] = {
         ("fsdp-rank1", FSDP(2, rank=1)),
         ("fsdp_bf16", REAL_RUNS["fsdp_bf16"]),
         ("fsdp_kept-rank1", FSDP(2, rank=1, reshard_after_forward=False)),
+        ("fsdp_last", REAL_RUNS["fsdp_last"]),
     ],
 )
 def test_per_rank_estimate_matches_a_real_two_process_gloo_run(
@@ -228,3 +232,10 @@ def test_cli_estimates_one_rank(capsys: pytest.CaptureFixture[str]) -> None:
     assert "ddp on 8 ranks, per rank" in capsys.readouterr().out
     assert main([*args, "--strategy", "ddp"]) == 2
     assert "--world-size" in capsys.readouterr().err
+
+
+def test_a_unit_kept_gathered_must_be_one_of_the_models_units() -> None:
+    with pytest.raises(
+        EstimationError, match=r"'blocks.9' is not a unit of the model \(its units: 'blocks.3'"
+    ):
+        estimate_step(dist_worker.build(), dist_worker.batch(), strategy=FSDP(2, kept_gathered=("blocks.9",)))

@@ -92,7 +92,12 @@ class FSDP:
     layers, as torchtitan and Lightning's examples do) and then the root. ``param_dtype`` and
     ``reduce_dtype`` are the ``MixedPrecisionPolicy``; ``reshard_after_forward`` as in ``fully_shard``:
     ``None`` (its default) reshards every unit after forward but a root, which keeps its parameters
-    gathered for backward.
+    gathered for backward. ``kept_gathered`` names units (their paths in the model, ``"blocks.11"``)
+    given ``reshard_after_forward=False`` alone: the common recipe leaves the last block gathered, since
+    backward needs it first.
+
+    >>> FSDP(8, kept_gathered=("layers.31",)).kept_gathered
+    ('layers.31',)
     """
 
     world_size: int
@@ -101,9 +106,12 @@ class FSDP:
     reshard_after_forward: bool | None = None
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    kept_gathered: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         _check_ranks(self.world_size, self.rank)
+        if isinstance(self.kept_gathered, str) or not all(isinstance(p, str) for p in self.kept_gathered):
+            raise ValueError(f"kept_gathered must be a tuple of module paths; got {self.kept_gathered!r}")
 
 
 Strategy = DDP | FSDP
@@ -324,8 +332,17 @@ def _fsdp(model: nn.Module, strategy: FSDP, group: Any, on_buffers: BufferListen
         ),
     }
     units = [*fsdp_units(model, strategy.units), model]
+    paths = {id(m): name for name, m in model.named_modules()}
+    unknown = set(strategy.kept_gathered) - {paths[id(u)] for u in units}
+    if unknown:
+        named = ", ".join(repr(paths[id(u)]) for u in units[:-1][:8])
+        raise EstimationError(
+            f"FSDP kept_gathered: {', '.join(sorted(map(repr, unknown)))} is not a unit of the model "
+            f"(its units: {named}{', ...' if len(units) > 9 else ''})"
+        )
     for unit in units:
-        fully_shard(unit, **options)
+        kept = paths[id(unit)] in strategy.kept_gathered
+        fully_shard(unit, **{**options, "reshard_after_forward": False} if kept else options)
     if on_buffers is not None:
         # Each unit tags its own gathered weights when its forward ends -- also where forward is not
         # called on the root (Lightning calls training_step).
@@ -354,15 +371,25 @@ def fsdp_like(model: nn.Module) -> FSDP | None:
     if mesh.ndim != 1:
         raise EstimationError("FSDP on a mesh of more than one dimension (HSDP, with TP) is not simulated")
     policy = state._mp_policy
+    reshard = None if state._auto_reshard_after_forward else group.post_forward_mesh_info is not None
+    # Units left gathered alone (the recipe's last block) where the others reshard
+    paths = {id(m): name for name, m in model.named_modules()}
+    kept = tuple(
+        paths[id(m)]
+        for m in sharded
+        if m is not model
+        and reshard is not False
+        and (g := m._get_fsdp_state()._fsdp_param_group) is not None
+        and g.post_forward_mesh_info is None
+    )
     return FSDP(
         mesh.size(),
         rank=mesh.get_local_rank(),
         units=tuple(dict.fromkeys(_original_class(m) for m in sharded)),
-        reshard_after_forward=None
-        if state._auto_reshard_after_forward
-        else group.post_forward_mesh_info is not None,
+        reshard_after_forward=reshard,
         param_dtype=policy.param_dtype,
         reduce_dtype=policy.reduce_dtype,
+        kept_gathered=kept,
     )
 
 
