@@ -371,3 +371,20 @@ def test_random_replay_is_consistent_and_fast(expandable: bool) -> None:
     a.empty_cache()
     assert a.reserved_bytes == 0
     assert elapsed < 10.0  # typically well under a second
+
+
+def test_a_segment_that_does_not_fit_releases_the_cache_retries_then_runs_out() -> None:
+    from lightning_memest.accounting.cuda_allocator import OutOfMemory
+
+    mib = 2**20
+    uncapped = CudaCachingAllocator()
+    uncapped.free(uncapped.malloc(30 * mib))
+    uncapped.malloc(50 * mib)
+    assert uncapped.reserved_bytes == 80 * mib  # the freed 30 MiB segment stays cached
+    a = CudaCachingAllocator(capacity=60 * mib)
+    a.free(a.malloc(30 * mib))
+    a.malloc(50 * mib)  # 30 cached + 50 > 60: release_cached_blocks, and the retry fits
+    assert (a.reserved_bytes, a.out_of_memory) == (50 * mib, None)
+    a.malloc(20 * mib)  # nothing left to release: torch raises OutOfMemoryError here
+    assert a.out_of_memory == OutOfMemory(20 * mib, 50 * mib, 50 * mib, 60 * mib)
+    assert a.reserved_bytes == 70 * mib  # served anyway: the replay says what the step would need

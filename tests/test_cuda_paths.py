@@ -254,7 +254,11 @@ def _saving(ops: set[Any], seen: list[Any]) -> Callable[..., Any]:
 
 @pytest.mark.parametrize(
     ("capability", "dtype", "picked"),
-    [((8, 0), torch.float32, "efficient"), ((8, 0), torch.bfloat16, "flash"), ((9, 0), torch.bfloat16, "cudnn")],
+    [
+        ((8, 0), torch.float32, "efficient"),
+        ((8, 0), torch.bfloat16, "flash"),
+        ((9, 0), torch.bfloat16, "cudnn"),
+    ],
 )
 def test_a_checkpoint_policy_written_for_cuda_sees_cudas_attention_op_in_a_what_if(
     capability: tuple[int, int], dtype: torch.dtype, picked: str

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torchvision
@@ -100,6 +102,15 @@ def test_cli_answers_whether_a_gpu_is_big_enough(capsys: pytest.CaptureFixture[s
     assert main([*args, "--gpu-memory", "600MiB"]) == 0
     out = capsys.readouterr().out
     assert "does NOT fit" in out and "CUDA context" in out
+    # 600 MiB less the 512 MiB context leaves the allocator too little even with its cache released:
+    # where the real step would raise torch.OutOfMemoryError, named as such
+    assert re.search(
+        r"DOES NOT FIT: CUDA out of memory in step \d at aten\.\S+ in \S+ \((forward|backward|optimizer)\)",
+        out,
+    ), out
+    assert main([*args, "--gpu-memory", "600MiB", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["gpu_memory"]["fits"] is False and data["out_of_memory"].startswith("CUDA out of memory")
     assert (
         main(["estimate", "tests.models:TinyGPT", "--tokens", "64", "--vocab", "1000", "--gpu-memory", "8g"])
         == 2

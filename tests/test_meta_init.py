@@ -1,6 +1,6 @@
-"""A model built on the meta device and sharded is estimated as large jobs initialise it (``engine.meta_init``):
-the unsharded parameters never exist, so the CUDA what-if's reserved memory falls with the shard as the
-allocated memory does."""
+"""A model built on the meta device and sharded is estimated as large jobs initialise it
+(``engine.meta_init``): the unsharded parameters never exist, so the CUDA what-if's reserved memory
+falls with the shard as the allocated memory does."""
 
 from __future__ import annotations
 

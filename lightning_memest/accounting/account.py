@@ -64,6 +64,7 @@ from lightning_memest.engine.events import OpEvent, Phase, Role
 from lightning_memest.engine.simulate import Simulation
 from lightning_memest.engine.tracker import CaptureFilter
 from lightning_memest.report import Breakdown, KernelSource, Peak, StepEstimate, TimelinePoint
+from lightning_memest.report.formatting import format_bytes
 
 __all__ = ["PeakProfile", "account", "capture_filter", "live_bytes", "peak_bytes", "peak_profile"]
 
@@ -114,8 +115,11 @@ def _gpu(sim: Simulation, gpu: CudaDevice | None) -> CudaDevice:
 def _caching_allocator(sim: Simulation, gpu: CudaDevice, kernels: KernelFn) -> CachingAllocatorReplay:
     """The caching allocator configured as this process's would be (``PYTORCH_CUDA_ALLOC_CONF``),
     with the libraries' workspaces of ``gpu``."""
+    # The device's memory, where known, less the context: what the allocator can reserve before it
+    # releases its cache and retries, then runs out (CudaCachingAllocator.out_of_memory).
+    capacity = gpu.total_bytes - gpu.context_bytes if gpu.total_bytes is not None else None
     return CachingAllocatorReplay(
-        CudaCachingAllocator.from_alloc_conf(environment_alloc_conf()),
+        CudaCachingAllocator.from_alloc_conf(environment_alloc_conf(), capacity),
         sim.steps,
         kernels,
         lambda op: library_workspace(op, gpu.capability),
@@ -245,7 +249,9 @@ def _account(
     assumed: bool | None = None
     smallest: tuple[int, ...] | None = None
     workspace_assumed: bool | None = None
+    out_of_memory: str | None = None
     if memory.device is not None and memory.gpu is not None:
+        out_of_memory = _out_of_memory(memory.device, memory.gpu)
         # What torch.cuda.max_memory_allocated/reserved count; the breakdown stays in exact bytes.
         device_peaks = memory.device.peaks
         peaks = tuple(
@@ -294,6 +300,22 @@ def _account(
         compile_seconds=sim.compile_seconds,
         eval_modules=sim.eval_modules,
         followed_note=sim.followed_note,
+        out_of_memory=out_of_memory,
+    )
+
+
+def _out_of_memory(device: CachingAllocatorReplay, gpu: CudaDevice) -> str | None:
+    """Where the replayed allocator first ran out of the device, in PyTorch's words, or ``None``."""
+    failed, at = device.allocator.out_of_memory, device.out_of_memory_at
+    if failed is None or at is None or gpu.total_bytes is None:
+        return None
+    op, step = at
+    where = f" at {op.op} in {op.module or '(root)'} ({op.phase.value})" if op is not None else ""
+    return (
+        f"CUDA out of memory in step {step + 1}{where}: tried to allocate {format_bytes(failed.requested)} "
+        f"with {format_bytes(failed.allocated)} allocated and {format_bytes(failed.reserved)} reserved, "
+        f"its cache released, of the {format_bytes(failed.capacity)} left to the allocator (the GPU's "
+        f"{format_bytes(gpu.total_bytes)} less the CUDA context)"
     )
 
 

@@ -15,8 +15,12 @@ The rules follow the source function by function (``round_size``, ``get_pool``,
 ``get_allocation_size``, ``get_free_block``, ``should_split``, ``alloc_found_block``, ``free_block``,
 ``try_merge_blocks``, ``release_cached_blocks``, and for expandable segments
 ``find_expandable_block``, ``map_block``, ``try_allocate_expandable_block``, ``unmap_block``).
-Not modelled: several streams (and ``record_stream`` events), CUDA graph private pools, out-of-memory
-retries (``release_available_cached_blocks`` and friends need a device capacity),
+With a ``capacity`` (the device bytes the allocator can have: the GPU's memory less the context),
+a new segment that does not fit makes it release its cached segments and try again
+(``release_cached_blocks``, as ``malloc`` does when ``cudaMalloc`` fails), and where it still does not
+fit, :attr:`CudaCachingAllocator.out_of_memory` records the first such request (PyTorch raises
+``OutOfMemoryError`` there); the replay goes on uncapped, so the figures say what the step would need.
+Not modelled: several streams (and ``record_stream`` events), CUDA graph private pools,
 ``garbage_collection_threshold`` (it only acts with ``set_per_process_memory_fraction``) and
 ``trigger_free_memory_callbacks``.
 
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, insort
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from lightning_memest.accounting.cuda_alloc_conf import ROUNDUP_INTERVALS, parse_alloc_conf
 
@@ -50,6 +55,7 @@ __all__ = [
     "K_SMALL_BUFFER",
     "K_SMALL_SIZE",
     "CudaCachingAllocator",
+    "OutOfMemory",
 ]
 
 # The source's constants (CUDACachingAllocator.cpp):
@@ -141,6 +147,19 @@ def _roundup_power2_next_division(size: int, divisions: int) -> int:
     return size if floor == size else floor + power2_division
 
 
+@dataclass(frozen=True)
+class OutOfMemory:
+    """The first request the device could not serve, its cache released: what PyTorch's
+    ``OutOfMemoryError`` says ("Tried to allocate ...")."""
+
+    requested: int
+    """The rounded request, in bytes."""
+    allocated: int
+    reserved: int
+    """Allocated and reserved bytes when it failed (the cache already released)."""
+    capacity: int
+
+
 class CudaCachingAllocator:
     """PyTorch's CUDA caching allocator (one device, one stream), replayed on sizes alone.
 
@@ -177,6 +196,7 @@ class CudaCachingAllocator:
         max_split_size: int | None = None,
         max_non_split_rounding_size: int = K_LARGE_BUFFER,
         roundup_power2_divisions: int | Sequence[int] = 0,
+        capacity: int | None = None,
     ) -> None:
         # The parser refuses max_split_size_mb / max_non_split_rounding_mb below kLargeBuffer / 1 MiB.
         if max_split_size is not None and max_split_size < K_LARGE_BUFFER:
@@ -214,9 +234,12 @@ class CudaCachingAllocator:
         self._reserved = 0
         self._peak_allocated = 0
         self._peak_reserved = 0
+        self.capacity = capacity
+        self.out_of_memory: OutOfMemory | None = None
+        """The first request that did not fit in :attr:`capacity` after the cache was released."""
 
     @classmethod
-    def from_alloc_conf(cls, conf: str) -> CudaCachingAllocator:
+    def from_alloc_conf(cls, conf: str, capacity: int | None = None) -> CudaCachingAllocator:
         """An allocator configured like ``PYTORCH_CUDA_ALLOC_CONF`` / ``PYTORCH_ALLOC_CONF`` (the keys
         ``accounting/cuda_alloc_conf.py`` reads).
 
@@ -231,6 +254,7 @@ class CudaCachingAllocator:
             max_split_size=conf_.max_split_size,
             max_non_split_rounding_size=conf_.max_non_split_rounding_size,
             roundup_power2_divisions=conf_.roundup_power2_divisions,
+            capacity=capacity,
         )
 
     # -- statistics -------------------------------------------------------------------------------------
@@ -285,7 +309,7 @@ class CudaCachingAllocator:
         pool = self._small if size <= K_SMALL_SIZE else self._large
         block = self._get_free_block(pool, size)
         if block is None:
-            block = self._alloc_block(pool, size)
+            block = self._alloc_block_within_capacity(pool, size)
         if self._should_split(block, size, pool):
             block = self._split(block, size, pool)
         block.allocated = True
@@ -375,18 +399,36 @@ class CudaCachingAllocator:
         pool.insert(block)
         return head
 
+    def _alloc_block_within_capacity(self, pool: _Pool, size: int) -> _Block:
+        """``alloc_block``; where the device has no room for it (:attr:`capacity`), first
+        ``release_cached_blocks`` and again, and where there is still none, the request is recorded as
+        :attr:`out_of_memory` (and served: the replay says what the step would need)."""
+        if self.capacity is not None and self._reserved + self._segment_size(size) > self.capacity:
+            self.empty_cache()
+        before = self._reserved
+        block = self._alloc_block(pool, size)
+        if self.capacity is not None and self._reserved > self.capacity and self.out_of_memory is None:
+            self.out_of_memory = OutOfMemory(size, self._allocated, before, self.capacity)
+        return block
+
+    def _segment_size(self, size: int) -> int:
+        """The bytes a new segment for a ``size`` request reserves (``get_allocation_size``: <= kSmallSize:
+        kSmallBuffer; < kMinLargeAlloc: kLargeBuffer; else rounded up to kRoundLarge), at most, for
+        expandable pages."""
+        if self.expandable_segments:
+            page = K_SMALL_BUFFER if size <= K_SMALL_SIZE else K_LARGE_BUFFER
+            return -(-size // page) * page
+        if size <= K_SMALL_SIZE:
+            return K_SMALL_BUFFER
+        if size < K_MIN_LARGE_ALLOC:
+            return K_LARGE_BUFFER
+        return -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+
     def _alloc_block(self, pool: _Pool, size: int) -> _Block:
         """``alloc_block``: a new ``cudaMalloc`` segment of ``get_allocation_size`` (or expandable pages)."""
         if self.expandable_segments:
             return self._try_allocate_expandable_block(pool, size)
-        # get_allocation_size: <= kSmallSize: kSmallBuffer; < kMinLargeAlloc: kLargeBuffer;
-        # else round up to kRoundLarge.
-        if size <= K_SMALL_SIZE:
-            alloc_size = K_SMALL_BUFFER
-        elif size < K_MIN_LARGE_ALLOC:
-            alloc_size = K_LARGE_BUFFER
-        else:
-            alloc_size = -(-size // K_ROUND_LARGE) * K_ROUND_LARGE
+        alloc_size = self._segment_size(size)
         block = _Block(self._new_address_range(alloc_size, K_ROUND_LARGE), alloc_size, pool is self._small)
         self._grow_reserved(alloc_size)
         return block

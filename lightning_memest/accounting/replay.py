@@ -300,6 +300,9 @@ class CachingAllocatorReplay(Observer):
         self.step = 0
         self.setup = True
         self.workspace = 0  # the current op's, held once its outputs are allocated
+        self.last_op: OpEvent | None = None
+        self.out_of_memory_at: tuple[OpEvent | None, int] | None = None
+        """The op (and step) during which the allocator first ran out of its capacity, if it did."""
 
     @property
     def peaks(self) -> DevicePeaks:
@@ -329,8 +332,14 @@ class CachingAllocatorReplay(Observer):
 
     on_tag = on_module_enter = on_module_exit = on_data_dependent = on_mark = _other
 
+    def _note_out_of_memory(self) -> None:
+        if self.out_of_memory_at is None and self.allocator.out_of_memory is not None:
+            self.out_of_memory_at = (self.last_op, self.step)
+
     def on_op(self, e: OpEvent) -> None:
         self._close_workspace()
+        self._note_out_of_memory()  # (during the op before: its outputs, frees, workspace)
+        self.last_op = e
         allocator = self.allocator
         if self.setup and e.phase is not Phase.SETUP:
             self.setup = False
@@ -358,5 +367,6 @@ class CachingAllocatorReplay(Observer):
 
     def finish(self) -> None:
         self._close_workspace()
+        self._note_out_of_memory()
         self.allocated.append(self.allocator.peak_allocated_bytes)
         self.reserved.append(self.allocator.peak_reserved_bytes)

@@ -86,6 +86,8 @@ def _estimate(settings: Settings, out: TextIO) -> None:
             f"context = {format_bytes(fits['device_bytes'])})",
             file=out,
         )
+        if est.out_of_memory:
+            print(f"  DOES NOT FIT: {est.out_of_memory}", file=out)
 
 
 def _fits_gpu(est: StepEstimate, budget: int | None) -> dict[str, Any] | None:
@@ -94,7 +96,8 @@ def _fits_gpu(est: StepEstimate, budget: int | None) -> dict[str, Any] | None:
         return None
     device = est.device_bytes
     assert device is not None  # --gpu-memory needs --device cuda (checked in _gpu)
-    return {"budget_bytes": budget, "device_bytes": device, "fits": device <= budget}
+    fits = device <= budget and est.out_of_memory is None
+    return {"budget_bytes": budget, "device_bytes": device, "fits": fits, "out_of_memory": est.out_of_memory}
 
 
 def _what(loop: str) -> str:

@@ -146,13 +146,16 @@ def _gpu(args: argparse.Namespace) -> CudaDevice | None:
     from lightning_memest.accounting.cuda_device import CudaDevice
 
     local = torch.cuda.is_available()
-    if capability is None and context is None:
+    memory = getattr(args, "gpu_memory", None)
+    if capability is None and context is None and memory is None:
         return None if local else CudaDevice()
     gpu = CudaDevice.local(torch.device("cuda")) if local else CudaDevice()
     if capability is not None:
         gpu = dataclasses.replace(gpu, capability=capability)
     if context is not None:
         gpu = dataclasses.replace(gpu, context_bytes=context, context_given=True)
+    if memory is not None:  # the device the allocator runs out of (its cache released first)
+        gpu = dataclasses.replace(gpu, total_bytes=memory)
     return gpu
 
 

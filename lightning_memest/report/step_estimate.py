@@ -277,6 +277,11 @@ class StepEstimate:
     model's weights (an adaptive solver's step count, a range check: ``engine.values.followed_values``),
     the failure; the figures then hold for this batch and these weights, and the reads decided by them
     are listed as ones that could lower the estimate. ``None`` otherwise."""
+    out_of_memory: str | None = None
+    """On CUDA with the GPU's memory known (``CudaDevice.total_bytes``, ``--gpu-memory``): where the
+    caching allocator, its cache released and the request retried, still had no room -- where the real
+    step raises ``torch.OutOfMemoryError``; ``None`` where it fits. The figures then say what the step
+    would need."""
 
     def __repr__(self) -> str:
         peaks = ", ".join(f"step {p.step} {p.bytes:,} B" for p in self.peaks)
@@ -345,6 +350,8 @@ class StepEstimate:
                 f"  the step read tensor values {exact + assumed} time(s): {exact} exact (known values), "
                 f"{assumed} assumed (see .data_dependent){could}"
             )
+        if self.out_of_memory:
+            lines.append(f"  DOES NOT FIT: {self.out_of_memory}")
         if self.followed_note:
             lines.append(
                 "  followed on this batch's values and weights (its code failed on assumed ones): "
@@ -433,6 +440,7 @@ class StepEstimate:
             "compile_seconds": round(self.compile_seconds, 4),
             "eval_modules": list(self.eval_modules),
             "followed_note": self.followed_note,
+            "out_of_memory": self.out_of_memory,
             "phase_marks": [
                 {
                     "step": m.step,
