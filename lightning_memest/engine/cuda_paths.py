@@ -184,20 +184,13 @@ def cuda_attention_op(
     CUDA would take math."""
     q, k, v = args[:3]
     noted = dict(context)
-    dropout_p = float(noted.get("dropout_p", 0.0))
-    call = AttentionCall(
-        batch=q.shape[0],
-        heads=q.shape[1],
-        q_len=q.shape[2],
-        kv_len=k.shape[2],
-        head_dim=q.shape[3],
-        value_head_dim=v.shape[3],
-        dtype=q.dtype,
+    call = AttentionCall.of(  # (inside a checkpointed region of a training step: inputs need grad)
+        q,
+        k,
+        v,
         has_mask=kwargs.get("attn_mask") is not None,
-        dropout=dropout_p > 0.0,
         is_causal=bool(_arg(args, kwargs, 4, "is_causal", False)),
-        requires_grad=True,  # inside a checkpointed region of a training step
-        dropout_p=dropout_p,
+        dropout_p=float(noted.get("dropout_p", 0.0)),
     )
     backend = cuda_backend(call, capability, enabled=noted.get("sdp_enabled"))
     return _CUDA_ATTENTION_OPS.get(backend, _CPU_FLASH)

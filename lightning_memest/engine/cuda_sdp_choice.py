@@ -56,6 +56,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -101,6 +102,27 @@ class AttentionCall:
     is_causal: bool
     requires_grad: bool
     dropout_p: float | None = None
+
+    @classmethod
+    def of(
+        cls, q: Any, k: Any, v: Any, *, has_mask: bool, is_causal: bool, dropout_p: float
+    ) -> AttentionCall:
+        """The call of a training step (inputs that need grad) on q, k, v of layout (batch, heads,
+        seq, head_dim) -- tensors, or anything with their ``shape`` and ``dtype``."""
+        return cls(
+            batch=q.shape[0],
+            heads=q.shape[1],
+            q_len=q.shape[2],
+            kv_len=k.shape[2],
+            head_dim=q.shape[3],
+            value_head_dim=v.shape[3],
+            dtype=q.dtype,
+            has_mask=has_mask,
+            dropout=dropout_p > 0.0,
+            is_causal=is_causal,
+            requires_grad=True,
+            dropout_p=dropout_p,
+        )
 
     @property
     def effective_dropout_p(self) -> float:

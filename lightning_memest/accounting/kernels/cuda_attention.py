@@ -36,8 +36,6 @@ Example:
     >>> call = AttentionCall(batch=8, heads=16, q_len=1000, kv_len=1000, head_dim=64, value_head_dim=64,
     ...                      dtype=torch.bfloat16, has_mask=False, dropout=False, is_causal=True,
     ...                      requires_grad=True)
-    >>> cuda_backend(call, (8, 0)), cuda_backend(call, (9, 0)), cuda_backend(call, (7, 5))
-    ('flash', 'cudnn', 'math')
     >>> saved_bytes(call, "flash")        # logsumexp 8*16*1000*4, rng state 16 + 8
     512024
     >>> saved_bytes(call, "efficient")    # logsumexp padded to 1024 columns
@@ -133,20 +131,10 @@ def cuda_what_if_memory(call: OpCall, capability: Capability) -> KernelMemory | 
     q, k, v = call.args[:3]
     # (the what-if's CPU kernel ran without dropout: its probability and the flags are in the context)
     dropout_p = float(call.noted("dropout_p", call.arg("dropout_p", 0.0)))
-    attention = AttentionCall(
-        batch=q.shape[0],
-        heads=q.shape[1],
-        q_len=q.shape[2],
-        kv_len=k.shape[2],
-        head_dim=q.shape[3],
-        value_head_dim=v.shape[3],
-        dtype=q.dtype,
-        has_mask=call.arg("attn_mask") is not None,
-        dropout=dropout_p > 0.0,
-        is_causal=bool(call.arg("is_causal", False)),
-        requires_grad=True,
+    attention = AttentionCall.of(
+        q, k, v, has_mask=call.arg("attn_mask") is not None, is_causal=bool(call.arg("is_causal", False)),
         dropout_p=dropout_p,
-    )
+    )  # fmt: skip
     cpu_saved = attention.batch * attention.heads * attention.q_len * _LSE_ITEMSIZE
     backend = cuda_backend(attention, capability, enabled=call.noted("sdp_enabled"))
     extra = saved_bytes(attention, backend) - cpu_saved
