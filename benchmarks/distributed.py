@@ -1,6 +1,7 @@
 """Per-rank estimates under DDP and FSDP2 (issue 7): accuracy against real runs, and a 7B answer's speed.
 
-1. TinyGPT (4 layers, d_model 256, batch 8 x 128, AdamW) as a real two-process CPU job (gloo backend),
+1. TinyGPT (4 layers, d_model 256, batch 8 x 128, AdamW) as a real two-process CPU job (gloo backend)
+   under DDP, FSDP2 and tensor parallelism of each block's MLP (``parallelize_module``),
    each rank measured with the profiler's allocator events (``tests/dist_worker.py``), against the
    estimate of that rank (PyTorch's DDP / fully_shard on a fake process group). "settled" runs pause
    2 ms after each collective's wait so that gloo's worker thread has dropped its references first and
@@ -20,14 +21,16 @@ import argparse
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_memest import DDP, FSDP, estimate_step  # noqa: E402
+from lightning_memest import DDP, FSDP, TP, estimate_step  # noqa: E402
 from tests import dist_worker  # noqa: E402
 from tests.models import TinyGPT, lm_loss  # noqa: E402
 
@@ -42,13 +45,20 @@ def mib(n: float) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
+def _tp(world_size: int, rank: int = 0) -> TP:
+    return TP(world_size, rank=rank, plan=dist_worker.tp_plan)  # each block's MLP, colwise then rowwise
+
+
+STRATEGIES: tuple[tuple[str, Callable[..., Any]], ...] = (("DDP", DDP), ("FSDP", FSDP), ("TP", _tp))
+
+
 def accuracy(unsettled_repeats: int = 3) -> None:
     print(
         "| strategy | rank | step | estimate | measured (settled) | error "
         "| unsettled runs (frees on gloo's thread unrecorded) |"
     )
     print("|---|---|---|---|---|---|---|")
-    for name, make in (("DDP", DDP), ("FSDP", FSDP)):
+    for name, make in STRATEGIES:
         settled = dist_worker.run_ranks(make(2), _port())
         loose = [dist_worker.run_ranks(make(2), _port(), settle=False) for _ in range(unsettled_repeats)]
         for rank in (0, 1):

@@ -178,16 +178,19 @@ def check_strategy(value: object) -> Strategy | None:
     >>> check_strategy("ddp")
     Traceback (most recent call last):
     ...
-    TypeError: strategy must be lightning_memest.DDP(world_size) or lightning_memest.FSDP(world_size), or None; got the string 'ddp': pass strategy=DDP(world_size=N)
+    TypeError: strategy must be lightning_memest.DDP(world_size), FSDP(world_size) or TP(world_size, plan=...), or None; got the string 'ddp': pass strategy=DDP(world_size=N)
     """  # noqa: E501
     # Imported here: this module is a leaf that any layer, the engine's own included, may import.
-    from lightning_memest.engine.distributed import DDP, FSDP
+    from lightning_memest.engine.distributed import DDP, FSDP, TP
 
-    if value is None or isinstance(value, (DDP, FSDP)):
+    if value is None or isinstance(value, (DDP, FSDP, TP)):
         return value
-    wanted = "strategy must be lightning_memest.DDP(world_size) or lightning_memest.FSDP(world_size), or None"
+    wanted = (
+        "strategy must be lightning_memest.DDP(world_size), FSDP(world_size) or TP(world_size, plan=...), "
+        "or None"
+    )
     if isinstance(value, str):
-        meant = {"ddp": "DDP", "fsdp": "FSDP"}.get(value.strip().lower())
+        meant = {"ddp": "DDP", "fsdp": "FSDP", "tp": "TP"}.get(value.strip().lower())
         hint = f"strategy={meant}(world_size=N)" if meant else "one of them"
         raise TypeError(f"{wanted}; got the string {value!r}: pass {hint}")
     raise TypeError(f"{wanted}; got {_got(value)}")

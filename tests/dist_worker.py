@@ -37,6 +37,18 @@ def batch() -> torch.Tensor:
     return lm_batch(BATCH)[0]
 
 
+def tp_plan(model: torch.nn.Module, mesh: Any) -> None:
+    """Megatron-style tensor parallelism of each block's MLP: the first linear split by columns, the
+    second by rows (its output all-reduced), as ``parallelize_module`` users write it."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles: dict[str, Any] = {}
+    for i in range(LAYERS):
+        styles[f"blocks.{i}.mlp.0"] = ColwiseParallel()
+        styles[f"blocks.{i}.mlp.2"] = RowwiseParallel()
+    parallelize_module(model, mesh, styles)
+
+
 def optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
@@ -73,6 +85,18 @@ def settle_collectives() -> None:
 
     work.wait = settled
     work._memest_settled = True
+    # Functional collectives (DTensor's redistributions under tensor parallelism) wait in C++, through
+    # wait_tensor: the same pause after it.
+    from torch.distributed import _functional_collectives as funcol
+
+    wait_tensor = funcol.wait_tensor
+
+    def settled_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        result = wait_tensor(tensor)
+        time.sleep(0.02)
+        return result
+
+    funcol.wait_tensor = settled_tensor
 
 
 def _rank(

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_memest import DDP, FSDP, EstimationError, estimate_step, max_batch_size
+from lightning_memest import DDP, FSDP, TP, EstimationError, estimate_step, max_batch_size
 from lightning_memest.cli import main
 from lightning_memest.engine.distributed import fsdp_units
 from tests import dist_worker
@@ -138,7 +138,7 @@ def measured() -> Iterator[dict[str, dict[int, tuple[int, ...]]]]:
     yield results
 
 
-REAL_RUNS: dict[str, DDP | FSDP] = {
+REAL_RUNS: dict[str, DDP | FSDP | TP] = {
     "ddp": DDP(2),
     "fsdp": FSDP(2),
     # FSDP's mixed-precision policy (bf16 all-gathered parameters, fp32 reduction) and no resharding.
@@ -147,6 +147,8 @@ REAL_RUNS: dict[str, DDP | FSDP] = {
     # Units left gathered alone: the last block (the recipe of large jobs: backward needs it first) and
     # the first (kept from its forward to its backward: +3.2 MB in the estimate).
     "fsdp_last": FSDP(2, kept_gathered=("blocks.0", "blocks.3")),
+    # Tensor parallelism of each block's MLP (colwise, then rowwise: its output all-reduced).
+    "tp": TP(2, plan=dist_worker.tp_plan),
 }
 
 
@@ -160,10 +162,12 @@ REAL_RUNS: dict[str, DDP | FSDP] = {
         ("fsdp_bf16", REAL_RUNS["fsdp_bf16"]),
         ("fsdp_kept-rank1", FSDP(2, rank=1, reshard_after_forward=False)),
         ("fsdp_last", REAL_RUNS["fsdp_last"]),
+        ("tp", REAL_RUNS["tp"]),
+        ("tp-rank1", TP(2, rank=1, plan=dist_worker.tp_plan)),
     ],
 )
 def test_per_rank_estimate_matches_a_real_two_process_gloo_run(
-    measured: dict[str, dict[int, tuple[int, ...]]], name: str, strategy: DDP | FSDP
+    measured: dict[str, dict[int, tuple[int, ...]]], name: str, strategy: DDP | FSDP | TP
 ) -> None:
     est = estimate_step(
         dist_worker.build(),

@@ -114,7 +114,30 @@ class FSDP:
             raise ValueError(f"kept_gathered must be a tuple of module paths; got {self.kept_gathered!r}")
 
 
-Strategy = DDP | FSDP
+@dataclass(frozen=True)
+class TP:
+    """Tensor parallelism on ``world_size`` ranks, seen from rank ``rank``: ``plan(model, mesh)``
+    parallelises the model on a 1-D device mesh as the job does -- ``parallelize_module`` with its
+    ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` styles, or the job's own function
+    (torchtitan's ``apply_tp``, a ``configure_model``'s part).
+
+    >>> from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    >>> styles = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    >>> TP(2, plan=lambda model, mesh: parallelize_module(model, mesh, styles)).world_size
+    2
+    """
+
+    world_size: int
+    plan: Callable[[nn.Module, Any], Any]
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        _check_ranks(self.world_size, self.rank)
+        if not callable(self.plan):
+            raise TypeError(f"TP(plan=...) must be callable as plan(model, mesh); got {self.plan!r}")
+
+
+Strategy = DDP | FSDP | TP
 
 
 def _check_ranks(world_size: int, rank: int) -> None:
@@ -151,7 +174,7 @@ def fake_process_group(strategy: Strategy) -> Iterator[None]:
             )
             stack.callback(dist.destroy_process_group)
             group = dist.group.WORLD
-        elif isinstance(strategy, FSDP):
+        elif isinstance(strategy, (FSDP, TP)):  # a device mesh looks its group up
             group = stack.enter_context(_registered_group(strategy, FakeStore()))
         else:
             group = _unregistered_group(strategy.rank, strategy.world_size, FakeStore())
@@ -163,7 +186,7 @@ def fake_process_group(strategy: Strategy) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _registered_group(strategy: FSDP, store: Any) -> Iterator[Any]:
+def _registered_group(strategy: FSDP | TP, store: Any) -> Iterator[Any]:
     """A fake group that the registries know -- FSDP's device mesh looks its ranks up there -- entered
     by hand rather than with ``new_group`` (a collective), and taken out again on exit. The mesh puts
     this process's rank in the job at the strategy's rank: they must be the same."""
@@ -172,7 +195,8 @@ def _registered_group(strategy: FSDP, store: Any) -> Iterator[Any]:
 
     if dist.get_rank() != strategy.rank or dist.get_world_size() != strategy.world_size:
         raise EstimationError(
-            f"inside a job of {dist.get_world_size()} ranks (this is rank {dist.get_rank()}), FSDP can be "
+            f"inside a job of {dist.get_world_size()} ranks (this is rank {dist.get_rank()}), "
+            f"{type(strategy).__name__} can be "
             f"simulated only for this rank of this job, not rank {strategy.rank} of {strategy.world_size}; "
             "estimate in a process without a process group"
         )
@@ -257,7 +281,21 @@ def wrap(model: nn.Module, strategy: Strategy, on_buffers: BufferListener | None
     fake = any(isinstance(p, FakeTensor) for p in model.parameters())
     if isinstance(strategy, DDP):
         return _ddp(model, strategy, group, fake, on_buffers)
+    if isinstance(strategy, TP):
+        return _tp(model, strategy, group)
     return _fsdp(model, strategy, group, on_buffers)
+
+
+def _tp(model: nn.Module, strategy: TP, group: Any) -> nn.Module:
+    """``strategy.plan`` on a 1-D mesh over ``group``: the parameters become ``DTensor`` shards of this
+    rank, and the styles' hooks redistribute activations with functional collectives."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    with unset_fake_temporarily():  # the mesh is a small real tensor of ranks, read by its constructor
+        mesh = DeviceMesh.from_group(group, device.type)
+    strategy.plan(model, mesh)
+    return model
 
 
 def _ddp(
