@@ -232,6 +232,10 @@ def test_cli_estimates_one_rank(capsys: pytest.CaptureFixture[str]) -> None:
     )
     bf16 = json.loads(capsys.readouterr().out)  # half-size gathered units and activations
     assert bf16["peak_bytes"]["steady_state"] < fsdp["peak_bytes"]["steady_state"]
+    kept = ["--strategy", "fsdp", "--world-size", "4", "--fsdp-kept-gathered", "blocks.0", "--json"]
+    assert main([*args, *kept]) == 0
+    first_kept = json.loads(capsys.readouterr().out)  # the first block gathered from forward to backward
+    assert first_kept["peak_bytes"]["steady_state"] > fsdp["peak_bytes"]["steady_state"]
     assert main([*args, "--strategy", "ddp", "--world-size", "8"]) == 0
     assert "ddp on 8 ranks, per rank" in capsys.readouterr().out
     assert main([*args, "--strategy", "ddp"]) == 2

@@ -167,6 +167,7 @@ _STRATEGY_FLAGS = {
         ("fsdp_param_dtype", "--fsdp-param-dtype"),
         ("fsdp_reduce_dtype", "--fsdp-reduce-dtype"),
         ("fsdp_keep_unsharded", "--fsdp-keep-unsharded"),
+        ("fsdp_kept_gathered", "--fsdp-kept-gathered"),
     ),
 }
 
@@ -192,12 +193,14 @@ def _strategy(args: argparse.Namespace) -> Strategy | None:
             gradient_as_bucket_view=args.gradient_as_bucket_view,
         )
     units = tuple(u.strip() for u in args.fsdp_units.split(",") if u.strip()) if args.fsdp_units else None
+    kept = args.fsdp_kept_gathered
     return FSDP(
         args.world_size,
         units=units,
         reshard_after_forward=False if args.fsdp_keep_unsharded else None,
         param_dtype=_dtype(args.fsdp_param_dtype),
         reduce_dtype=_dtype(args.fsdp_reduce_dtype),
+        kept_gathered=tuple(p.strip() for p in kept.split(",") if p.strip()) if kept else (),
     )
 
 

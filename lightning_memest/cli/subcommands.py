@@ -212,6 +212,13 @@ def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
         help="fully_shard(reshard_after_forward=False): units stay gathered from forward to backward",
     )
     g.add_argument(
+        "--fsdp-kept-gathered",
+        default=None,
+        metavar="PATH,...",
+        help="units (their module paths, e.g. blocks.31) given reshard_after_forward=False alone: as large "
+        "jobs keep the last block gathered",
+    )
+    g.add_argument(
         "--bucket-cap-mb",
         type=positive_number(MAX_BUCKET_MB, " (1 TiB)"),
         default=None,
