@@ -35,7 +35,7 @@ from lightning_memest.batches import iter_tensors, map_tensors
 from lightning_memest.engine.fake import local_tensor
 from lightning_memest.engine.real_path import VALUE_LIMIT
 from lightning_memest.engine.step import optimizer_state_tensors
-from lightning_memest.engine.values.followed_values import FOLLOW_LIMIT
+from lightning_memest.engine.values.followed_values import followable
 from lightning_memest.measure import LiveTensorScan, live_tensors, module_tensors, resident_bytes
 from lightning_memest.report import StepEstimate
 from lightning_memest.search.sizing import SizedStep
@@ -65,15 +65,11 @@ def light_copy(batch: Any, floats: bool = False) -> Any:
     ``engine.values.followed_values``), the others as meta tensors (shapes only)."""
 
     def light(t: Tensor) -> Tensor:
-        if (_valued(t) or (floats and _followable(t))) and not t.is_meta:
+        if (_valued(t) or (floats and followable(t))) and not t.is_meta:
             return t.detach().to("cpu", copy=True)
         return torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device="meta")
 
     return map_tensors(batch, light)
-
-
-def _followable(t: Tensor) -> bool:
-    return t.is_floating_point() and t.numel() <= FOLLOW_LIMIT
 
 
 def _same_values(a: Any, b: Any, floats: bool = False) -> bool:
@@ -81,8 +77,8 @@ def _same_values(a: Any, b: Any, floats: bool = False) -> bool:
     too) of two batches of one signature hold the same values."""
     for x, y in zip(iter_tensors(a), iter_tensors(b), strict=True):
         if (
-            (_valued(x) or (floats and _followable(x)))
-            and (_valued(y) or (floats and _followable(y)))
+            (_valued(x) or (floats and followable(x)))
+            and (_valued(y) or (floats and followable(y)))
             and not x.is_meta
             and not y.is_meta
             and not torch.equal(x.cpu(), y.cpu())

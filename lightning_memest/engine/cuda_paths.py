@@ -57,7 +57,7 @@ from lightning_memest.engine.cuda_sdp_choice import AttentionCall, cuda_backend
 if TYPE_CHECKING:
     from lightning_memest.engine.tracker import Tracker
 
-__all__ = ["CUDA_PATHS", "cuda_attention_op", "cuda_code_paths", "sdp_enabled"]
+__all__ = ["CUDA_PATHS", "cuda_code_paths", "sdp_enabled"]
 
 #: A path: ``(tracker, args, kwargs) -> result``, or ``NotImplemented`` to take the plain path.
 Path = Callable[["Tracker", Sequence[Any], Mapping[str, Any]], Any]
@@ -126,8 +126,7 @@ def _attention(tracker: Tracker, args: Sequence[Any], kwargs: Mapping[str, Any])
     # (the CPU kernel takes no dropout: its probability goes with the flags, for the CUDA model)
     tracker.op_context = (*before, ("sdp_enabled", sdp_enabled()), ("dropout_p", dropout_p))
     try:
-        cpu_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-        return cpu_flash(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
+        return _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=mask, scale=scale)[0]
     finally:
         tracker.op_context = before
 
@@ -173,7 +172,7 @@ _CUDA_ATTENTION_OPS = {
 _CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
-def cuda_attention_op(
+def _cuda_attention_op(
     args: Sequence[Any],
     kwargs: Mapping[str, Any],
     context: Sequence[tuple[str, Any]],
@@ -214,7 +213,7 @@ def _policies_see_cuda_ops(tracker: Tracker, capability: tuple[int, int] | None)
     def shown_cuda_ops(self: Any, policy_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         def policy(ctx: Any, func: Any, *op_args: Any, **op_kwargs: Any) -> Any:
             if func is _CPU_FLASH:
-                func = cuda_attention_op(op_args, op_kwargs, tracker.op_context, capability)
+                func = _cuda_attention_op(op_args, op_kwargs, tracker.op_context, capability)
             return policy_fn(ctx, func, *op_args, **op_kwargs)
 
         original(self, policy, *args, **kwargs)

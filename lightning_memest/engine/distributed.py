@@ -289,13 +289,17 @@ def wrap(model: nn.Module, strategy: Strategy, on_buffers: BufferListener | None
 def _tp(model: nn.Module, strategy: TP, group: Any) -> nn.Module:
     """``strategy.plan`` on a 1-D mesh over ``group``: the parameters become ``DTensor`` shards of this
     rank, and the styles' hooks redistribute activations with functional collectives."""
+    strategy.plan(model, _mesh(model, group))
+    return model
+
+
+def _mesh(model: nn.Module, group: Any) -> Any:
+    """A 1-D device mesh over ``group``, of the device the model's parameters are on."""
     from torch.distributed.device_mesh import DeviceMesh
 
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     with unset_fake_temporarily():  # the mesh is a small real tensor of ranks, read by its constructor
-        mesh = DeviceMesh.from_group(group, device.type)
-    strategy.plan(model, mesh)
-    return model
+        return DeviceMesh.from_group(group, device.type)
 
 
 def _ddp(
@@ -356,14 +360,10 @@ class _KeepBuckets:
 
 
 def _fsdp(model: nn.Module, strategy: FSDP, group: Any, on_buffers: BufferListener | None) -> nn.Module:
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    with unset_fake_temporarily():  # the mesh is a small real tensor of ranks, read by its constructor
-        mesh = DeviceMesh.from_group(group, device.type)
     options: dict[str, Any] = {
-        "mesh": mesh,
+        "mesh": _mesh(model, group),
         "reshard_after_forward": strategy.reshard_after_forward,
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=strategy.param_dtype, reduce_dtype=strategy.reduce_dtype

@@ -235,8 +235,8 @@ class KnownValues:
             return
         if _valued_kind(real):
             _know(fake, real, self._copies, VALUE_LIMIT)
-        elif values_followed() and real.is_floating_point():
-            _know(fake, real, self._copies, float_value_limit(FLOAT_VALUE_LIMIT))  # a step followed
+        elif self._following and real.is_floating_point():
+            _know(fake, real, self._copies, FOLLOW_LIMIT)  # a step followed on its values
         elif real.is_floating_point() and real.numel() <= FLOAT_VALUE_LIMIT and isinstance(fake, FakeTensor):
             # Read by equality checks only (``engine.values.data_dependent``): the batch's floats stay
             # unknown to everything else (the size of a selection of them stays an upper bound).
@@ -462,8 +462,10 @@ def _all_small(out: Any, floats: bool = True) -> bool:
             return False
         if out.is_floating_point() and not floats:
             # A float factory's grid (``linspace``); a scalar made of a number is the fake mode's own
-            # constant already (an optimizer's step counter: read silently, as before).
-            return int(not values_followed()) < out.numel() <= float_value_limit(FLOAT_VALUE_LIMIT)
+            # constant already (an optimizer's step counter: read silently, as before), except in a
+            # followed step, whose solver lifts its step sizes with ``torch.tensor``.
+            smallest = 1 if values_followed() else 2
+            return smallest <= out.numel() <= float_value_limit(FLOAT_VALUE_LIMIT)
         return out.numel() <= VALUE_LIMIT
     if isinstance(out, (tuple, list)):
         return len(out) > 0 and all(_all_small(o, floats) for o in out)

@@ -42,6 +42,7 @@ __all__ = [
     "FOLLOW_LIMIT",
     "AssumedReadFailure",
     "float_value_limit",
+    "followable",
     "following_values",
     "not_followable",
     "read_site",
@@ -85,6 +86,12 @@ def float_value_limit(default: int) -> int:
     """The most elements a floating-point tensor may have for its value to be known: ``default``, or
     :data:`FOLLOW_LIMIT` while following."""
     return FOLLOW_LIMIT if _FOLLOWING.get() else default
+
+
+def followable(t: Tensor) -> bool:
+    """Whether ``t`` is a floating-point tensor whose values a followed step computes with: at most
+    :data:`FOLLOW_LIMIT` elements, not meta."""
+    return t.is_floating_point() and not t.is_meta and t.numel() <= FOLLOW_LIMIT
 
 
 def not_followable(tensors: Iterable[tuple[str, Tensor]]) -> str | None:
