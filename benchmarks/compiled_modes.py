@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -73,16 +72,11 @@ def main() -> None:
         mode, dynamic, fullgraph = args.config.split(",")
         print(json.dumps(run_config(mode, dynamic == "1", fullgraph == "1")))
         return
-    rows = []
-    for mode, dynamic, fullgraph in CONFIGS:
-        config = f"{mode},{int(dynamic)},{int(fullgraph)}"
-        proc = subprocess.run(
-            [sys.executable, __file__, "--config", config], capture_output=True, text=True, check=False
-        )
-        if proc.returncode != 0:
-            raise SystemExit(f"{config} failed:\n{proc.stderr[-4000:]}")
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(f"done: {config}", file=sys.stderr)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from compiled_steps import fresh_process_rows
+
+    configs = [f"{mode},{int(dynamic)},{int(fullgraph)}" for mode, dynamic, fullgraph in CONFIGS]
+    rows = fresh_process_rows(__file__, "--config", configs)
     if args.json:
         print(json.dumps(rows, indent=1))
         return

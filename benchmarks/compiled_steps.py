@@ -35,6 +35,21 @@ from typing import Any
 MODELS = ("gpt2", "resnet34", "vit_s")
 
 
+def fresh_process_rows(script: str, flag: str, cases: list[str]) -> list[dict[str, Any]]:
+    """Each case run by ``script flag case`` in a fresh process (dynamo's and inductor's caches, the
+    allocator, start empty for each), its row the JSON of its last line of output."""
+    rows = []
+    for case in cases:
+        proc = subprocess.run(
+            [sys.executable, script, flag, case], capture_output=True, text=True, check=False
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"{case} failed:\n{proc.stderr[-4000:]}")
+        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(f"done: {case}", file=sys.stderr)
+    return rows
+
+
 def _case(name: str) -> tuple[Any, Any, Any]:
     """The model, its batch and its loss, seeded."""
     import torch
@@ -270,15 +285,7 @@ def main() -> None:
     det = ",det" if args.deterministic else ""
     cases += [f"fit,{n},{c}{det}" for n in names for c in ("0", "1")] if args.fits else []
     cases += [f"advice,{n},{args.advice}" for n in names] if args.advice is not None else []
-    rows = []
-    for case in cases:
-        proc = subprocess.run(
-            [sys.executable, __file__, "--case", case], capture_output=True, text=True, check=False
-        )
-        if proc.returncode != 0:
-            raise SystemExit(f"{case} failed:\n{proc.stderr[-4000:]}")
-        rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
-        print(f"done: {case}", file=sys.stderr)
+    rows = fresh_process_rows(__file__, "--case", cases)
     if args.json:
         print(json.dumps(rows, indent=1))
         return
