@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_memest import DDP, FSDP, TP, estimate_step  # noqa: E402
+from lightning_memest import DDP, FSDP, TP, ModelParallel, estimate_step  # noqa: E402
 from tests import dist_worker  # noqa: E402
 from tests.models import TinyGPT, lm_loss  # noqa: E402
 
@@ -49,7 +49,19 @@ def _tp(world_size: int, rank: int = 0) -> TP:
     return TP(world_size, rank=rank, plan=dist_worker.tp_plan)  # each block's MLP, colwise then rowwise
 
 
-STRATEGIES: tuple[tuple[str, Callable[..., Any]], ...] = (("DDP", DDP), ("FSDP", FSDP), ("TP", _tp))
+def _tp_fsdp(world_size: int, rank: int = 0) -> ModelParallel:
+    # 2 x 2 (world_size 4): the MLPs split over the tensor-parallel dimension, the blocks sharded over
+    # the data-parallel one, as a ModelParallelStrategy configure_model does
+    return ModelParallel(world_size // 2, 2, plan=dist_worker.tp_fsdp_plan, rank=rank)
+
+
+#: (name, world size, the strategy for (world size, rank=...)).
+STRATEGIES: tuple[tuple[str, int, Callable[..., Any]], ...] = (
+    ("DDP", 2, DDP),
+    ("FSDP", 2, FSDP),
+    ("TP", 2, _tp),
+    ("TP x FSDP", 4, _tp_fsdp),
+)
 
 
 def accuracy(unsettled_repeats: int = 3) -> None:
@@ -58,15 +70,15 @@ def accuracy(unsettled_repeats: int = 3) -> None:
         "| unsettled runs (frees on gloo's thread unrecorded) |"
     )
     print("|---|---|---|---|---|---|---|")
-    for name, make in STRATEGIES:
-        settled = dist_worker.run_ranks(make(2), _port())
-        loose = [dist_worker.run_ranks(make(2), _port(), settle=False) for _ in range(unsettled_repeats)]
-        for rank in (0, 1):
+    for name, world, make in STRATEGIES:
+        settled = dist_worker.run_ranks(make(world), _port())
+        loose = [dist_worker.run_ranks(make(world), _port(), settle=False) for _ in range(unsettled_repeats)]
+        for rank in range(world):
             est = estimate_step(
                 dist_worker.build(),
                 dist_worker.batch(),
                 optimizer=dist_worker.optimizer,
-                strategy=make(2, rank=rank),
+                strategy=make(world, rank=rank),
             )
             for step, label in enumerate(("first", "steady")):
                 e, m = est.peaks[step].bytes, settled[rank][step]

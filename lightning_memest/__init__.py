@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
     from lightning_memest.adapter import FitBatchSize, MemEstimate
-    from lightning_memest.engine.distributed import DDP, FSDP, TP
+    from lightning_memest.engine.distributed import DDP, FSDP, TP, ModelParallel
     from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError, SpecError, TraceError
     from lightning_memest.estimate import estimate_step
     from lightning_memest.plan import CheckpointPlan, CompiledBudget, plan_checkpointing, plan_compiled_budget
@@ -42,6 +42,7 @@ __all__ = [
     "MemEstimate",
     "MemestError",
     "MemoryBudgetError",
+    "ModelParallel",
     "ModuleStats",
     "Peak",
     "SpecError",
@@ -62,6 +63,7 @@ _LAZY = {
     "DDP": "lightning_memest.engine.distributed",
     "FSDP": "lightning_memest.engine.distributed",
     "TP": "lightning_memest.engine.distributed",
+    "ModelParallel": "lightning_memest.engine.distributed",
     "BatchSizeResult": "lightning_memest.search",
     "Breakdown": "lightning_memest.report",
     "CheckpointPlan": "lightning_memest.plan",

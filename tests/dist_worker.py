@@ -49,6 +49,18 @@ def tp_plan(model: torch.nn.Module, mesh: Any) -> None:
     parallelize_module(model, mesh, styles)
 
 
+def tp_fsdp_plan(model: torch.nn.Module, mesh: Any) -> None:
+    """A ``configure_model`` of Lightning's ModelParallelStrategy: :func:`tp_plan` on the mesh's
+    tensor-parallel dimension, then each block and the root sharded with ``fully_shard`` over its
+    data-parallel one (torchtitan's order)."""
+    from torch.distributed.fsdp import fully_shard
+
+    tp_plan(model, mesh["tensor_parallel"])
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh["data_parallel"])
+    fully_shard(model, mesh=mesh["data_parallel"])
+
+
 def optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 

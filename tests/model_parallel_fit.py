@@ -1,9 +1,13 @@
-"""A real two-process CPU fit under Lightning's ModelParallelStrategy (FSDP2 applied in
-``configure_model``) with ``MemEstimate``: run by ``tests/test_distributed.py`` as a script (Lightning
-starts the second rank by running this file again). Each rank prints one JSON line: its estimate and
-measurement of both steps.
+"""A real multi-process CPU fit under Lightning's ModelParallelStrategy with ``MemEstimate``: run by
+``tests/test_distributed.py`` as a script (Lightning starts the other ranks by running this file
+again). Each rank prints one JSON line: its estimate and measurement of both steps.
 
-The ranks settle their collectives (``tests/dist_worker.settle_collectives``: a 2 ms pause after each
+``python model_parallel_fit.py fsdp``: 2 ranks, FSDP2 applied in ``configure_model``.
+``python model_parallel_fit.py tp``: 2 ranks of tensor parallelism (a Llama-style feed-forward,
+``parallelize_module`` as Lightning's own example writes it); ``tp_fsdp``: the two on a 2 x 2 mesh (4
+ranks; not in the suite: gloo's reduce-scatter temporaries, see docs/known-limits.md).
+
+The ranks settle their collectives (``tests/dist_worker.settle_collectives``: a pause after each
 wait, so that gloo's worker thread lets go of a collective's tensors before the main thread does and
 the CPU profiler sees every free): an instrument fix of the ground truth, not a change to the run.
 """
@@ -17,6 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from torch.distributed.fsdp import fully_shard
@@ -54,21 +59,63 @@ class Sharded(pl.LightningModule):
         return torch.optim.Adam(self.parameters())
 
 
-def main() -> None:
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TensorParallel(pl.LightningModule):
+    """Lightning's tensor-parallel example: each feed-forward's w1/w3 split by columns, w2 by rows;
+    with a data-parallel dimension, each block and the root then sharded with ``fully_shard``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(FeedForward(256, 1024) for _ in range(3))
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {"w1": ColwiseParallel(), "w2": RowwiseParallel(), "w3": ColwiseParallel()}
+        for block in self.blocks:
+            parallelize_module(block, self.device_mesh["tensor_parallel"], plan)
+        if self.device_mesh["data_parallel"].size() > 1:
+            for block in self.blocks:
+                fully_shard(block, mesh=self.device_mesh["data_parallel"])
+            fully_shard(self, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x = batch[0]
+        for block in self.blocks:
+            x = x + block(x)
+        return x.pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters())
+
+
+def main(mode: str) -> None:
     torch.manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(256, 256))
     memest = MemEstimate(max_depth=0)
+    sizes = {"fsdp": (2, 1), "tp": (1, 2), "tp_fsdp": (2, 2)}[mode]
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
-        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+        devices=sizes[0] * sizes[1],
+        strategy=ModelParallelStrategy(data_parallel_size=sizes[0], tensor_parallel_size=sizes[1]),
         max_steps=3,
         callbacks=[Settle(), memest],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
     )
-    trainer.fit(Sharded(), torch.utils.data.DataLoader(data, batch_size=32))
+    module = Sharded() if mode == "fsdp" else TensorParallel()
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=32))
     report = {
         "rank": trainer.global_rank,
         "estimated": [p.bytes for p in memest.estimate.peaks] if memest.estimate else None,
@@ -78,4 +125,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1] if len(sys.argv) > 1 else "fsdp")

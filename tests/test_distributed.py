@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_memest import DDP, FSDP, TP, EstimationError, estimate_step, max_batch_size
+from lightning_memest import DDP, FSDP, TP, EstimationError, ModelParallel, estimate_step, max_batch_size
 from lightning_memest.cli import main
 from lightning_memest.engine.distributed import fsdp_units
 from tests import dist_worker
@@ -138,17 +138,19 @@ def measured() -> Iterator[dict[str, dict[int, tuple[int, ...]]]]:
     yield results
 
 
-REAL_RUNS: dict[str, DDP | FSDP | TP] = {
+REAL_RUNS: dict[str, DDP | FSDP | TP | ModelParallel] = {
     "ddp": DDP(2),
     "fsdp": FSDP(2),
     # FSDP's mixed-precision policy (bf16 all-gathered parameters, fp32 reduction) and no resharding.
     "fsdp_bf16": FSDP(2, param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-    "fsdp_kept": FSDP(2, reshard_after_forward=False),
     # Units left gathered alone: the last block (the recipe of large jobs: backward needs it first) and
     # the first (kept from its forward to its backward: +3.2 MB in the estimate).
     "fsdp_last": FSDP(2, kept_gathered=("blocks.0", "blocks.3")),
     # Tensor parallelism of each block's MLP (colwise, then rowwise: its output all-reduced).
     "tp": TP(2, plan=dist_worker.tp_plan),
+    # Lightning's ModelParallelStrategy on 4 ranks: the MLPs split over a tensor-parallel dimension of 2,
+    # the blocks sharded over a data-parallel one of 2 (a 2-D mesh).
+    "tp_fsdp": ModelParallel(2, 2, plan=dist_worker.tp_fsdp_plan),
 }
 
 
@@ -160,14 +162,15 @@ REAL_RUNS: dict[str, DDP | FSDP | TP] = {
         ("fsdp", FSDP(2)),
         ("fsdp-rank1", FSDP(2, rank=1)),
         ("fsdp_bf16", REAL_RUNS["fsdp_bf16"]),
-        ("fsdp_kept-rank1", FSDP(2, rank=1, reshard_after_forward=False)),
         ("fsdp_last", REAL_RUNS["fsdp_last"]),
         ("tp", REAL_RUNS["tp"]),
         ("tp-rank1", TP(2, rank=1, plan=dist_worker.tp_plan)),
+        ("tp_fsdp", REAL_RUNS["tp_fsdp"]),
+        ("tp_fsdp-rank3", ModelParallel(2, 2, plan=dist_worker.tp_fsdp_plan, rank=3)),
     ],
 )
 def test_per_rank_estimate_matches_a_real_two_process_gloo_run(
-    measured: dict[str, dict[int, tuple[int, ...]]], name: str, strategy: DDP | FSDP | TP
+    measured: dict[str, dict[int, tuple[int, ...]]], name: str, strategy: DDP | FSDP | TP | ModelParallel
 ) -> None:
     est = estimate_step(
         dist_worker.build(),
@@ -181,16 +184,19 @@ def test_per_rank_estimate_matches_a_real_two_process_gloo_run(
         assert abs(e.bytes - m) / m <= 0.02, (name, [p.bytes for p in est.peaks], truth)
 
 
-def test_memestimate_under_model_parallel_strategy_estimates_each_rank() -> None:
-    # Lightning's ModelParallelStrategy: configure_model applies fully_shard, so the module arrives
-    # sharded at fit start; the callback shards it again on fake tensors (the same units, policy and
-    # lazily decided roots) and checks itself against each rank's real steps.
+@pytest.mark.parametrize("mode", ["fsdp", "tp"])
+def test_memestimate_under_model_parallel_strategy_estimates_each_rank(mode: str) -> None:
+    # Lightning's ModelParallelStrategy: configure_model applies fully_shard (fsdp) or tensor
+    # parallelism (tp), so the module arrives parallelised at fit start; the callback does it again
+    # on fake tensors (the same units, policy and lazily decided roots; each parameter's placements and
+    # the styles' own hooks on a fake mesh) and checks itself against each rank's real steps -- and
+    # training goes on on the real mesh afterwards.
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).with_name("model_parallel_fit.py")
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, str(script), mode], capture_output=True, text=True, timeout=600)
     # Both ranks print to one pipe: a line of one can land inside the other's (seen), so find the
     # reports rather than split lines.
     reports = [json.loads(found) for found in re.findall(r"MEMEST (\{[^{}]*\})", out.stdout)]
@@ -247,3 +253,38 @@ def test_a_unit_kept_gathered_must_be_one_of_the_models_units() -> None:
         EstimationError, match=r"'blocks.9' is not a unit of the model \(its units: 'blocks.3'"
     ):
         estimate_step(dist_worker.build(), dist_worker.batch(), strategy=FSDP(2, kept_gathered=("blocks.9",)))
+
+
+def test_a_module_that_arrived_tensor_parallel_is_estimated_as_the_same_plan_from_scratch() -> None:
+    # A job whose configure_model already ran parallelize_module (in a process with a fake world of 2,
+    # this rank 0): the strategy read back from the module -- each parameter's placements, the styles'
+    # hooks -- gives what the plan gives on the whole model, and the module is left as it was.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from lightning_memest.engine.arrived import arrived_model_parallel, mesh_hooks
+
+    x = dist_worker.batch()
+    planned = estimate_step(
+        dist_worker.build(), x, optimizer=dist_worker.optimizer, strategy=TP(2, plan=dist_worker.tp_plan)
+    )
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        model, tensor_mesh = dist_worker.build(), mesh["tensor_parallel"]
+        dist_worker.tp_plan(model, tensor_mesh)
+        hooks = [(m, dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()]
+        params = dict(model.named_parameters())
+        strategy = arrived_model_parallel(model, 1, 2, rank=0)
+        assert isinstance(strategy, ModelParallel) and len(mesh_hooks(model)) == 4 * dist_worker.LAYERS
+        arrived = estimate_step(model, x, optimizer=dist_worker.optimizer, strategy=strategy)
+        assert [p.bytes for p in arrived.peaks] == [p.bytes for p in planned.peaks]
+        assert all(
+            dict(m._forward_pre_hooks) == pre and dict(m._forward_hooks) == post for m, pre, post in hooks
+        )
+        assert all(p is params[name] for name, p in model.named_parameters())
+        assert model.blocks[0].mlp[0].weight.device_mesh is tensor_mesh  # type: ignore[index]
+        model(x).sum().backward()  # and it still runs on its own mesh
+    finally:
+        dist.destroy_process_group()

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -31,7 +31,8 @@ from lightning_memest.adapter.batch_index import IndexReads
 from lightning_memest.adapter.package import is_lightning_module, lightning_classes
 from lightning_memest.adapter.runner import LightningRunner
 from lightning_memest.adapter.weight_averaging import WeightAveragingMirror
-from lightning_memest.engine.distributed import DDP, Strategy, fsdp_like
+from lightning_memest.engine.arrived import arrived_model_parallel
+from lightning_memest.engine.distributed import DDP, Strategy
 from lightning_memest.engine.simulate import Simulation, simulate, simulate_replaying
 from lightning_memest.engine.step import Precision, StepConfig, StepListener, autocast, check_precision
 from lightning_memest.errors import EstimationError
@@ -243,8 +244,10 @@ def _strategy(trainer: pl.Trainer) -> Strategy | None:
     """The data parallelism the trainer trains with, as the simulation runs it (``None``: none).
 
     ``DDPStrategy`` (``ddp``, ``ddp_spawn``, ...) becomes :class:`DDP` with its bucket settings, as this
-    rank. ``ModelParallelStrategy`` with FSDP2 applied in ``configure_model`` becomes the :class:`FSDP`
-    that shards the module the same way (``engine.distributed.fsdp_like``). Other sharded strategies
+    rank. ``ModelParallelStrategy`` becomes what its ``configure_model`` did, read back from the module
+    (``engine.arrived``): the :class:`FSDP` that shards it the same way where only ``fully_shard`` was
+    applied, a :class:`ModelParallel` that redoes its tensor-parallel styles and FSDP units on a fake
+    mesh of the job's sizes where it has them. Other sharded strategies
     (``FSDPStrategy``'s FSDP1, DeepSpeed) are not simulated inside ``fit``: an ``EstimationError`` says
     so (the callback turns it into one warning); ``memest estimate --strategy fsdp`` answers for them.
     """
@@ -258,10 +261,14 @@ def _strategy(trainer: pl.Trainer) -> Strategy | None:
             gradient_as_bucket_view=bool(kwargs.get("gradient_as_bucket_view", False)),
         )
     if any(cls.__name__ == "ModelParallelStrategy" for cls in type(strategy).__mro__):
-        # configure_model has applied fully_shard (FSDP2): simulated by sharding the module again.
-        fsdp = fsdp_like(trainer.lightning_module)
-        if fsdp is not None:
-            return fsdp
+        # configure_model has parallelised the module: simulated by doing it again, on fake tensors.
+        mesh = cast(Any, strategy).device_mesh
+        sizes = dict(zip(mesh.mesh_dim_names, mesh.shape, strict=True))
+        arrived = arrived_model_parallel(
+            trainer.lightning_module, sizes["data_parallel"], sizes["tensor_parallel"], trainer.global_rank
+        )
+        if arrived is not None:
+            return arrived
     if any(cls.__name__ in _SHARDED for cls in type(strategy).__mro__):
         raise EstimationError(
             f"per-rank estimates under {type(strategy).__name__} are not simulated inside fit yet: the "

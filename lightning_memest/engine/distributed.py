@@ -45,13 +45,15 @@ from lightning_memest.options import check_count
 __all__ = [
     "DDP",
     "FSDP",
+    "MESH_DIMS",
     "STRATEGIES",
+    "TP",
     "BufferListener",
+    "ModelParallel",
     "Strategy",
     "fake_process_group",
-    "fsdp_like",
     "fsdp_units",
-    "strip_fully_shard",
+    "shard_units",
     "unsharded_buffers",
     "untracked_sharding_propagation",
     "wrap",
@@ -137,7 +139,53 @@ class TP:
             raise TypeError(f"TP(plan=...) must be callable as plan(model, mesh); got {self.plan!r}")
 
 
-Strategy = DDP | FSDP | TP
+@dataclass(frozen=True)
+class ModelParallel:
+    """Lightning's ``ModelParallelStrategy``: ``data_parallel`` x ``tensor_parallel`` ranks on a 2-D
+    device mesh, seen from rank ``rank``. ``plan(model, mesh)`` is what ``configure_model`` does with
+    ``self.device_mesh``: tensor parallelism on ``mesh["tensor_parallel"]`` (``parallelize_module``),
+    then ``fully_shard`` on ``mesh["data_parallel"]`` -- torchtitan's ``parallelize`` takes the same
+    mesh. Ranks are laid out as Lightning's mesh lays them: rank = data-parallel index x
+    ``tensor_parallel`` + tensor-parallel index.
+
+    >>> from torch.distributed.fsdp import fully_shard
+    >>> def plan(model, mesh):
+    ...     fully_shard(model, mesh=mesh["data_parallel"])
+    >>> ModelParallel(2, 4, plan=plan, rank=5).world_size
+    8
+    """
+
+    data_parallel: int
+    tensor_parallel: int
+    plan: Callable[[nn.Module, Any], Any]
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        check_count("data_parallel", self.data_parallel)
+        check_count("tensor_parallel", self.tensor_parallel)
+        _check_ranks(self.world_size, self.rank)
+        if not callable(self.plan):
+            raise TypeError(
+                f"ModelParallel(plan=...) must be callable as plan(model, mesh); got {self.plan!r}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel * self.tensor_parallel
+
+    def groups(self) -> tuple[tuple[int, list[int]], tuple[int, list[int]]]:
+        """This rank's place in its data-parallel and tensor-parallel groups: (its rank in the group,
+        the group's global ranks) for each, in the mesh's row-major layout."""
+        dp_index, tp_index = divmod(self.rank, self.tensor_parallel)
+        data = [d * self.tensor_parallel + tp_index for d in range(self.data_parallel)]
+        tensor = [dp_index * self.tensor_parallel + t for t in range(self.tensor_parallel)]
+        return (dp_index, data), (tp_index, tensor)
+
+
+#: The mesh dimensions of :class:`ModelParallel`, named as Lightning's ``ModelParallelStrategy`` names them.
+MESH_DIMS = ("data_parallel", "tensor_parallel")
+
+Strategy = DDP | FSDP | TP | ModelParallel
 
 
 def _check_ranks(world_size: int, rank: int) -> None:
@@ -155,59 +203,78 @@ def _dist() -> Any:
 
 @contextlib.contextmanager
 def fake_process_group(strategy: Strategy) -> Iterator[None]:
-    """A fake process group of the strategy's world size for :func:`wrap` to use inside the block.
+    """A fake process group of the strategy's world size for :func:`wrap` to use inside the block
+    (with :class:`ModelParallel`, its data- and tensor-parallel groups too).
 
     Without a process group in this process, the default one is created (backend ``fake``, this
     rank) and destroyed on exit. Inside a real distributed job (the callback) no group is made with
     ``new_group``: that is a collective, which ranks that estimate at different moments (a batch-size
-    search on one rank only) would deadlock on. DDP gets a group no registry knows; FSDP, whose device
-    mesh looks its group up, one entered into the registries by hand for the time of the block.
+    search on one rank only) would deadlock on. DDP gets a group no registry knows; FSDP, TP and
+    ModelParallel, whose device meshes look their groups up, ones entered into the registries by hand
+    for the time of the block.
     """
     dist = _dist()
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers the "fake" backend)
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     with contextlib.ExitStack() as stack:
+        world = list(range(strategy.world_size))
         if not dist.is_initialized():
             dist.init_process_group(
                 "fake", store=FakeStore(), rank=strategy.rank, world_size=strategy.world_size
             )
             stack.callback(dist.destroy_process_group)
-            group = dist.group.WORLD
-        elif isinstance(strategy, (FSDP, TP)):  # a device mesh looks its group up
-            group = stack.enter_context(_registered_group(strategy, FakeStore()))
-        else:
-            group = _unregistered_group(strategy.rank, strategy.world_size, FakeStore())
-        token = _group.set(group)
+            groups = [dist.group.WORLD]
+        elif isinstance(strategy, DDP):
+            groups = [_unregistered_group(strategy.rank, strategy.world_size, FakeStore())]
+        else:  # a device mesh looks its group up
+            if dist.get_rank() != strategy.rank or dist.get_world_size() != strategy.world_size:
+                raise EstimationError(
+                    f"inside a job of {dist.get_world_size()} ranks (this is rank {dist.get_rank()}), "
+                    f"{type(strategy).__name__} can be simulated only for this rank of this job, not "
+                    f"rank {strategy.rank} of {strategy.world_size}; estimate in a process without a "
+                    "process group"
+                )
+            groups = [stack.enter_context(_registered_group(strategy.rank, world, FakeStore()))]
+        if isinstance(strategy, ModelParallel):
+            for rank, ranks in strategy.groups():
+                groups.append(stack.enter_context(_registered_group(rank, ranks, FakeStore())))
+        token = _group.set(tuple(groups))
+        _clear_sharding_caches()
         try:
             yield
         finally:
             _group.reset(token)
+            _clear_sharding_caches()
+
+
+def _clear_sharding_caches() -> None:
+    """Empty DTensor's sharding-propagation caches. Device meshes compare equal by their layout and
+    dimension names, not their groups: a fake mesh of a job's sizes equals the job's own, and the
+    caches would hand the output specs -- their mesh with them -- of the simulation to the real run
+    (which then all-reduced on a fake group, seen) and the real run's to the simulation."""
+    try:
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:  # no DTensor in this build, or no caches to clear
+        return
+    _clear_sharding_prop_cache()  # type: ignore[no-untyped-call]
 
 
 @contextlib.contextmanager
-def _registered_group(strategy: FSDP | TP, store: Any) -> Iterator[Any]:
-    """A fake group that the registries know -- FSDP's device mesh looks its ranks up there -- entered
-    by hand rather than with ``new_group`` (a collective), and taken out again on exit. The mesh puts
-    this process's rank in the job at the strategy's rank: they must be the same."""
-    dist = _dist()
+def _registered_group(rank: int, ranks: list[int], store: Any) -> Iterator[Any]:
+    """A fake group over the global ``ranks`` (``rank`` is this process's place in it) that the
+    registries know -- a device mesh looks its ranks up there, functional collectives its name --
+    entered by hand rather than with ``new_group`` (a collective), and taken out again on exit."""
     from torch.distributed import distributed_c10d as c10d
 
-    if dist.get_rank() != strategy.rank or dist.get_world_size() != strategy.world_size:
-        raise EstimationError(
-            f"inside a job of {dist.get_world_size()} ranks (this is rank {dist.get_rank()}), "
-            f"{type(strategy).__name__} can be "
-            f"simulated only for this rank of this job, not rank {strategy.rank} of {strategy.world_size}; "
-            "estimate in a process without a process group"
-        )
-    group = _unregistered_group(strategy.rank, strategy.world_size, store)
+    group = _unregistered_group(rank, len(ranks), store)
     name: Any = f"memest_fake_{id(group)}"  # a GroupName
     group._set_group_name(name)
     world = c10d._world
     tag = f"ptd:{name}"
     world.pg_map[group] = ("fake", store)
     world.pg_names[group] = name
-    world.pg_group_ranks[group] = {r: r for r in range(strategy.world_size)}
+    world.pg_group_ranks[group] = {g: r for r, g in enumerate(ranks)}
     world.pg_backend_config[group] = "fake"
     world.tags_to_pg.setdefault(tag, []).append(group)
     world.pg_to_tag[group] = tag
@@ -273,7 +340,8 @@ def wrap(model: nn.Module, strategy: Strategy, on_buffers: BufferListener | None
     Under FSDP the model itself becomes the sharded module (``fully_shard`` works in place).
     """
     dist = _dist()
-    group = _group.get() or dist.group.WORLD
+    groups = _group.get() or (dist.group.WORLD,)
+    group = groups[0]
     if group is None:
         raise EstimationError(
             f"{type(strategy).__name__} needs a process group: call init_process_group first"
@@ -283,6 +351,8 @@ def wrap(model: nn.Module, strategy: Strategy, on_buffers: BufferListener | None
         return _ddp(model, strategy, group, fake, on_buffers)
     if isinstance(strategy, TP):
         return _tp(model, strategy, group)
+    if isinstance(strategy, ModelParallel):
+        return _model_parallel(model, strategy, groups, on_buffers)
     return _fsdp(model, strategy, group, on_buffers)
 
 
@@ -290,6 +360,28 @@ def _tp(model: nn.Module, strategy: TP, group: Any) -> nn.Module:
     """``strategy.plan`` on a 1-D mesh over ``group``: the parameters become ``DTensor`` shards of this
     rank, and the styles' hooks redistribute activations with functional collectives."""
     strategy.plan(model, _mesh(model, group))
+    return model
+
+
+def _model_parallel(
+    model: nn.Module, strategy: ModelParallel, groups: tuple[Any, ...], on_buffers: BufferListener | None
+) -> nn.Module:
+    """``strategy.plan`` on a 2-D mesh over the data- and tensor-parallel groups (a job's own
+    ``configure_model``); the units it sharded with ``fully_shard`` tag their gathered weights."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    shape = (strategy.data_parallel, strategy.tensor_parallel)
+    if len(groups) == 1:  # a real job (a measured run): the mesh as Lightning builds it, its groups made
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+    else:
+        with unset_fake_temporarily():  # the mesh is a small real tensor of ranks
+            layout = torch.arange(strategy.world_size).view(shape)
+            mesh = DeviceMesh.from_group(list(groups[1:]), device.type, mesh=layout, mesh_dim_names=MESH_DIMS)
+    strategy.plan(model, mesh)
+    from torch.distributed.fsdp import FSDPModule
+
+    _tag_gathered([m for m in model.modules() if isinstance(m, FSDPModule)], on_buffers)
     return model
 
 
@@ -360,16 +452,26 @@ class _KeepBuckets:
 
 
 def _fsdp(model: nn.Module, strategy: FSDP, group: Any, on_buffers: BufferListener | None) -> nn.Module:
+    units = [*fsdp_units(model, strategy.units), model]
+    shard_units(model, units, strategy, _mesh(model, group), on_buffers)
+    return model
+
+
+def shard_units(
+    model: nn.Module, units: list[nn.Module], strategy: FSDP, mesh: Any, on_buffers: BufferListener | None
+) -> None:
+    """``fully_shard`` on each of ``units`` (inner ones first, the root last) over ``mesh``, with
+    ``strategy``'s policy and resharding; the units named in its ``kept_gathered`` alone keep their
+    parameters gathered after forward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     options: dict[str, Any] = {
-        "mesh": _mesh(model, group),
+        "mesh": mesh,
         "reshard_after_forward": strategy.reshard_after_forward,
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=strategy.param_dtype, reduce_dtype=strategy.reduce_dtype
         ),
     }
-    units = [*fsdp_units(model, strategy.units), model]
     paths = {id(m): name for name, m in model.named_modules()}
     unknown = set(strategy.kept_gathered) - {paths[id(u)] for u in units}
     if unknown:
@@ -381,90 +483,15 @@ def _fsdp(model: nn.Module, strategy: FSDP, group: Any, on_buffers: BufferListen
     for unit in units:
         kept = paths[id(unit)] in strategy.kept_gathered
         fully_shard(unit, **{**options, "reshard_after_forward": False} if kept else options)
+    _tag_gathered(units, on_buffers)
+
+
+def _tag_gathered(units: list[nn.Module], on_buffers: BufferListener | None) -> None:
+    """Each unit tags its own gathered weights when its forward ends -- also where forward is not
+    called on the root (Lightning calls training_step)."""
     if on_buffers is not None:
-        # Each unit tags its own gathered weights when its forward ends -- also where forward is not
-        # called on the root (Lightning calls training_step).
         for unit in units:
             unit.register_forward_hook(lambda m, *_: on_buffers(unsharded_buffers(m)), always_call=True)
-    return model
-
-
-def fsdp_like(model: nn.Module) -> FSDP | None:
-    """The FSDP2 sharding a module arrived with (``fully_shard`` already applied, as Lightning's
-    ModelParallelStrategy does in ``configure_model``), as a strategy that redoes it: the classes of
-    its units, the mixed-precision policy and resharding of its root unit, the mesh's size and this
-    rank. ``None`` when the module is not sharded."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:
-        return None
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    if not sharded:
-        return None
-    state = sharded[0]._get_fsdp_state()
-    group = state._fsdp_param_group
-    if group is None:  # a root unit with no parameters of its own: read a unit that has some
-        group = next(g for m in sharded if (g := m._get_fsdp_state()._fsdp_param_group) is not None)
-    mesh = group.mesh_info.mesh
-    if mesh.ndim != 1:
-        raise EstimationError("FSDP on a mesh of more than one dimension (HSDP, with TP) is not simulated")
-    policy = state._mp_policy
-    reshard = None if state._auto_reshard_after_forward else group.post_forward_mesh_info is not None
-    # Units left gathered alone (the recipe's last block) where the others reshard
-    paths = {id(m): name for name, m in model.named_modules()}
-    kept = tuple(
-        paths[id(m)]
-        for m in sharded
-        if m is not model
-        and reshard is not False
-        and (g := m._get_fsdp_state()._fsdp_param_group) is not None
-        and g.post_forward_mesh_info is None
-    )
-    return FSDP(
-        mesh.size(),
-        rank=mesh.get_local_rank(),
-        units=tuple(dict.fromkeys(_original_class(m) for m in sharded)),
-        reshard_after_forward=reshard,
-        param_dtype=policy.param_dtype,
-        reduce_dtype=policy.reduce_dtype,
-        kept_gathered=kept,
-    )
-
-
-def strip_fully_shard(model: nn.Module) -> None:
-    """Undo what ``fully_shard`` did to ``model``'s modules (their class, FSDP's forward hooks, the
-    composable-API registries) so that the simulation can shard them again, on fake tensors.
-
-    Only inside ``engine.fake.fake_module``, which puts every bit of it back on exit (and has already
-    swapped the sharded parameters for whole fake ones).
-    """
-    try:
-        from torch.distributed import _composable_state
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-    except ImportError:
-        return
-    for m in list(model.modules()):
-        if not isinstance(m, FSDPModule):
-            continue
-        state = m._get_fsdp_state()
-        m.__class__ = _original_class(m)  # type: ignore[assignment]
-        for hooks in (m._forward_pre_hooks, m._forward_hooks):
-            for key, hook in list(hooks.items()):
-                if getattr(hook, "__self__", None) is state:
-                    del hooks[key]
-        for value in vars(m).values():  # contract's registry and state dicts
-            if isinstance(value, dict):
-                for key in [k for k, v in value.items() if isinstance(v, FSDPState) or k == "fully_shard"]:
-                    del value[key]
-        _composable_state._module_state_mapping.pop(m, None)
-
-
-def _original_class(m: nn.Module) -> type[nn.Module]:
-    """The class ``fully_shard`` derived ``FSDP<Class>`` from (its bases are ``(FSDPModule, Class)``)."""
-    cls = type(m)
-    base: type[nn.Module] = cls.__bases__[-1]
-    return base
 
 
 def fsdp_units(model: nn.Module, units: tuple[str | type[nn.Module], ...] | None) -> list[nn.Module]:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_memest.batches import iter_tensors, map_tensors
+from lightning_memest.engine.arrived import strip_fully_shard
 from lightning_memest.engine.autograd_threads import settle_device_threads
 from lightning_memest.engine.collector import collector_off
 from lightning_memest.engine.compiled import (
@@ -32,12 +33,7 @@ from lightning_memest.engine.compiled import (
 )
 from lightning_memest.engine.cuda_autocast import cuda_autocast_lists
 from lightning_memest.engine.cuda_paths import cuda_code_paths
-from lightning_memest.engine.distributed import (
-    FSDP,
-    fake_process_group,
-    strip_fully_shard,
-    untracked_sharding_propagation,
-)
+from lightning_memest.engine.distributed import DDP, fake_process_group, untracked_sharding_propagation
 from lightning_memest.engine.events import DataDependent, Event, OpEvent, Phase, PhaseStart, Role
 from lightning_memest.engine.fake import (
     FakeConverter,
@@ -330,8 +326,9 @@ def _simulate(
             tracker.add_resident(t, role, "")
         # Each module runs in the mode it is in, as Lightning's fit runs it (it keeps the modes the user
         # set: a from_pretrained model comes in eval, without dropout); no train() here.
-        if isinstance(strategy, FSDP):
-            strip_fully_shard(model)  # a module that arrived sharded is sharded again, on fake tensors
+        if strategy is not None and not isinstance(strategy, DDP):
+            # a module that arrived parallelised is parallelised again, on fake tensors
+            strip_fully_shard(model)
         if strategy is not None:
             stack.enter_context(fake_process_group(strategy))
             stack.enter_context(storage_resizes(tracker))
@@ -350,7 +347,7 @@ def _simulate(
                 others = [(t, Role.OTHER, "") for t in [*residents, *companion_fakes]]
                 others += [(t, role, "") for t, role in kept]
                 tracker.settle_residents([*_residents(model, fake_batch), *others])
-                if on_meta and isinstance(strategy, FSDP):  # built on meta, sharded, then materialised
+                if on_meta and not isinstance(strategy, DDP):  # built on meta, sharded, then materialised
                     initialised_sharded(tracker.events, setup_start)
             current = fake_batch
             for i in range(steps):
