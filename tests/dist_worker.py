@@ -134,12 +134,16 @@ def run_ranks(
     """Each rank's measured peaks (first step, steady state) of a real ``strategy.world_size`` run
     (``settle``: frees in program order, see :func:`settle_collectives`; ``compiled``: the blocks
     compiled, :func:`build_compiled`)."""
+    world = strategy.world_size
+    return dict(spawn_ranks(_rank, world, (world, port, strategy, settle, compiled), world))
+
+
+def spawn_ranks(target: Any, world: int, args: tuple[Any, ...], results: int) -> list[Any]:
+    """``target(rank, *args, queue)`` in ``world`` spawned processes; the ``results`` items they put on
+    the queue. A rank that fails fails the run."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_rank, args=(r, strategy.world_size, port, strategy, settle, compiled, out))
-        for r in range(strategy.world_size)
-    ]
+    procs = [ctx.Process(target=target, args=(r, *args, out)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -147,4 +151,4 @@ def run_ranks(
     failed = [p.exitcode for p in procs if p.exitcode != 0]
     if failed:
         raise RuntimeError(f"a rank failed (exit codes {failed})")
-    return dict(out.get(timeout=10) for _ in procs)
+    return [out.get(timeout=10) for _ in range(results)]

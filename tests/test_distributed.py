@@ -181,16 +181,17 @@ def test_per_rank_estimate_matches_a_real_two_process_gloo_run(
     )
     truth = measured[name.split("-")[0]][strategy.rank]
     for e, m in zip(est.peaks, truth, strict=True):
-        assert abs(e.bytes - m) / m <= 0.02, (name, [p.bytes for p in est.peaks], truth)
+        assert abs(e.bytes - m) / m <= 0.01, (name, [p.bytes for p in est.peaks], truth)
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "tp"])
+@pytest.mark.parametrize("mode", ["tp", "tp_fsdp"])
 def test_memestimate_under_model_parallel_strategy_estimates_each_rank(mode: str) -> None:
-    # Lightning's ModelParallelStrategy: configure_model applies fully_shard (fsdp) or tensor
-    # parallelism (tp), so the module arrives parallelised at fit start; the callback does it again
-    # on fake tensors (the same units, policy and lazily decided roots; each parameter's placements and
-    # the styles' own hooks on a fake mesh) and checks itself against each rank's real steps -- and
-    # training goes on on the real mesh afterwards.
+    # Lightning's ModelParallelStrategy: configure_model applies tensor parallelism (tp) or that and
+    # fully_shard on a 2 x 2 mesh (tp_fsdp: each block its own FSDP root, the first step's peak inside
+    # gloo's reduce-scatter), so the module arrives parallelised at fit start; the callback
+    # does it again on fake tensors (the same units, policy and lazily decided roots; each parameter's
+    # placements and the styles' own hooks on a fake mesh) and checks itself against each rank's real
+    # steps -- and training goes on on the real mesh afterwards.
     import subprocess
     import sys
     from pathlib import Path
@@ -200,11 +201,12 @@ def test_memestimate_under_model_parallel_strategy_estimates_each_rank(mode: str
     # Both ranks print to one pipe: a line of one can land inside the other's (seen), so find the
     # reports rather than split lines.
     reports = [json.loads(found) for found in re.findall(r"MEMEST (\{[^{}]*\})", out.stdout)]
-    assert sorted(r["rank"] for r in reports) == [0, 1], out.stderr[-3000:]
+    ranks = 4 if mode == "tp_fsdp" else 2
+    assert sorted(r["rank"] for r in reports) == list(range(ranks)), out.stderr[-3000:]
     for r in reports:
         assert r["estimated"] is not None and len(r["measured"]) == 2
         for e, m in zip(r["estimated"], r["measured"], strict=True):
-            assert abs(e - m) / m <= 0.02, r
+            assert abs(e - m) / m <= 0.01, r
 
 
 def test_max_batch_size_per_rank_grows_with_fsdp() -> None:
@@ -242,6 +244,22 @@ def test_cli_estimates_one_rank(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([*args, *kept]) == 0
     first_kept = json.loads(capsys.readouterr().out)  # the first block gathered from forward to backward
     assert first_kept["peak_bytes"]["steady_state"] > fsdp["peak_bytes"]["steady_state"]
+    tp = ["--tp", "2", "--tp-plan", "tests.dist_worker:tp_plan"]
+    assert main([*args, *tp, "--json"]) == 0
+    tensor = json.loads(capsys.readouterr().out)  # the MLPs' weights split in two
+    assert tensor["peak_bytes"]["steady_state"] < plain["peak_bytes"]["steady_state"]
+    assert main([*args, *tp, "--strategy", "fsdp", "--world-size", "8", "--json"]) == 0
+    both = json.loads(capsys.readouterr().out)  # and everything sharded over 4 data-parallel ranks
+    assert both["peak_bytes"]["steady_state"] < tensor["peak_bytes"]["steady_state"]
+    assert both["peak_bytes"]["steady_state"] < fsdp["peak_bytes"]["steady_state"]
+    for wrong, said in [
+        (["--tp", "2"], "--tp-plan"),
+        ([*tp, "--strategy", "fsdp", "--world-size", "3"], "not a multiple of --tp 2"),
+        ([*tp, "--strategy", "ddp", "--world-size", "4"], "not with --strategy ddp"),
+        (["--tp", "2", "--tp-plan", "tests.dist_worker:nothing"], "no attribute 'nothing'"),
+    ]:
+        assert main([*args, *wrong]) == 2
+        assert said in capsys.readouterr().err
     assert main([*args, "--strategy", "ddp", "--world-size", "8"]) == 0
     assert "ddp on 8 ranks, per rank" in capsys.readouterr().out
     assert main([*args, "--strategy", "ddp"]) == 2
@@ -288,3 +306,14 @@ def test_a_module_that_arrived_tensor_parallel_is_estimated_as_the_same_plan_fro
         model(x).sum().backward()  # and it still runs on its own mesh
     finally:
         dist.destroy_process_group()
+
+
+def test_gloos_collectives_allocate_what_the_cpu_kernel_models_say() -> None:
+    # A CPU job's collectives are gloo's, which work on copies and gathering buffers the fake group
+    # does not make: each call's measured bytes beyond its outputs, against the kernel model's.
+    from tests import collective_probe
+
+    rows = collective_probe.probe(_free_port())
+    assert rows["reduce_scatter_tensor"][0] > 0 and rows["all_reduce"][0] == 0  # the probe sees them
+    for case, (measured, modelled) in rows.items():
+        assert modelled == measured, (case, rows)

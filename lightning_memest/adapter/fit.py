@@ -245,9 +245,8 @@ def _strategy(trainer: pl.Trainer) -> Strategy | None:
 
     ``DDPStrategy`` (``ddp``, ``ddp_spawn``, ...) becomes :class:`DDP` with its bucket settings, as this
     rank. ``ModelParallelStrategy`` becomes what its ``configure_model`` did, read back from the module
-    (``engine.arrived``): the :class:`FSDP` that shards it the same way where only ``fully_shard`` was
-    applied, a :class:`ModelParallel` that redoes its tensor-parallel styles and FSDP units on a fake
-    mesh of the job's sizes where it has them. Other sharded strategies
+    (``engine.arrived``): a :class:`ModelParallel` that redoes its tensor parallelism and FSDP2 units on
+    a fake mesh of the job's sizes. Other sharded strategies
     (``FSDPStrategy``'s FSDP1, DeepSpeed) are not simulated inside ``fit``: an ``EstimationError`` says
     so (the callback turns it into one warning); ``memest estimate --strategy fsdp`` answers for them.
     """

@@ -88,6 +88,7 @@ __all__ = [
     "make_optimizer",
     "measure_case",
     "resolve_model",
+    "resolve_object",
 ]
 
 
@@ -102,21 +103,7 @@ def resolve_model(spec: str) -> Callable[..., Any]:
     >>> resolve_model("torch.nn:Linear")
     <class 'torch.nn.modules.linear.Linear'>
     """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise SpecError(f"model {spec!r} is not of the form package.module:name")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        # ModuleNotFoundError for the named module itself; any other ImportError came from inside it.
-        raise SpecError(f"cannot import module {module_name!r} of model {spec!r}: {e}") from e
-    except Exception as e:  # an import runs arbitrary code; its failure is the user's module's, not ours
-        raise SpecError(f"importing module {module_name!r} failed: {type(e).__name__}: {e}") from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise SpecError(f"module {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = resolve_object(spec, "model")
     if isinstance(obj, nn.Module):
         raise SpecError(
             f"{spec!r} is a module instance; name its class or a factory, so that a fresh model can be built"
@@ -124,6 +111,31 @@ def resolve_model(spec: str) -> Callable[..., Any]:
     if not callable(obj):
         raise SpecError(f"{spec!r} is not an nn.Module class or a factory (it is a {type(obj).__name__!r})")
     return obj  # type: ignore[no-any-return]
+
+
+def resolve_object(spec: str, what: str) -> Any:
+    """The object ``spec`` (``package.module:name``, ``name`` perhaps dotted) names, its module
+    imported; a ``SpecError`` naming ``what`` it was to be (``"model"``, ``"--tp-plan"``) otherwise.
+
+    >>> resolve_object("torch.nn:Linear", "model").__name__
+    'Linear'
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise SpecError(f"{what} {spec!r} is not of the form package.module:name")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        # ModuleNotFoundError for the named module itself; any other ImportError came from inside it.
+        raise SpecError(f"cannot import module {module_name!r} of {what} {spec!r}: {e}") from e
+    except Exception as e:  # an import runs arbitrary code; its failure is the user's module's, not ours
+        raise SpecError(f"importing module {module_name!r} failed: {type(e).__name__}: {e}") from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise SpecError(f"module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
 
 
 def _accepts_weights(factory: Callable[..., Any]) -> bool:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from lightning_memest.accounting.cuda_device import CudaDevice
     from lightning_memest.cases import Case, InputSpec
-    from lightning_memest.engine.distributed import Strategy
+    from lightning_memest.engine.distributed import FSDP, Strategy
 
 __all__ = ["MAX_JSON_DEPTH", "Settings", "settings"]
 
@@ -75,7 +75,13 @@ class Settings:
             if args.activation_memory_budget is not None:
                 text += f", activation memory budget {args.activation_memory_budget:g}"
         if self.strategy is not None:
-            text += f", {args.strategy} on {args.world_size} ranks, per rank"
+            tp = getattr(args, "tp", None)
+            if args.strategy is None:
+                text += f", tensor parallel on {tp} ranks, per rank"
+            elif tp is not None:
+                text += f", {args.strategy} x tensor parallel {tp} on {args.world_size} ranks, per rank"
+            else:
+                text += f", {args.strategy} on {args.world_size} ranks, per rank"
         return text
 
 
@@ -178,30 +184,60 @@ def _strategy(args: argparse.Namespace) -> Strategy | None:
         for dest, flag in flags:
             if strategy != chosen and getattr(args, dest, None) not in (None, False):
                 raise SpecError(f"{flag} goes with --strategy {strategy}")
+    tp, plan = getattr(args, "tp", None), getattr(args, "tp_plan", None)
+    if (tp is None) != (plan is None):
+        raise SpecError("--tp N and --tp-plan MODULE:FUNCTION go together (the plan says how N ranks split)")
     if chosen is None:
         if getattr(args, "world_size", None) is not None:
             raise SpecError("--world-size goes with --strategy ddp|fsdp")
-        return None
+        if tp is None or plan is None:
+            return None
+        from lightning_memest.engine.distributed import TP
+
+        return TP(tp, plan=_tp_plan(plan))
     if args.world_size is None:
         raise SpecError(f"--strategy {args.strategy} needs --world-size N")
-    from lightning_memest.engine.distributed import DDP, FSDP
+    from lightning_memest.engine.distributed import DDP, ModelParallel
+    from lightning_memest.engine.parallel_plans import TensorThenShard
 
+    if tp is not None and plan is not None:
+        if args.strategy != "fsdp":
+            raise SpecError("--tp goes alone or with --strategy fsdp (a 2-D mesh); not with --strategy ddp")
+        if args.world_size % tp:
+            raise SpecError(f"--world-size {args.world_size} is not a multiple of --tp {tp}")
+        fsdp = _fsdp(args, args.world_size // tp)
+        return ModelParallel(args.world_size // tp, tp, plan=TensorThenShard(_tp_plan(plan), fsdp))
     if args.strategy == "ddp":
         return DDP(
             args.world_size,
             bucket_cap_mb=25.0 if args.bucket_cap_mb is None else args.bucket_cap_mb,
             gradient_as_bucket_view=args.gradient_as_bucket_view,
         )
+    return _fsdp(args, args.world_size)
+
+
+def _fsdp(args: argparse.Namespace, world_size: int) -> FSDP:
+    from lightning_memest.engine.distributed import FSDP
+
     units = tuple(u.strip() for u in args.fsdp_units.split(",") if u.strip()) if args.fsdp_units else None
     kept = args.fsdp_kept_gathered
     return FSDP(
-        args.world_size,
+        world_size,
         units=units,
         reshard_after_forward=False if args.fsdp_keep_unsharded else None,
         param_dtype=_dtype(args.fsdp_param_dtype),
         reduce_dtype=_dtype(args.fsdp_reduce_dtype),
         kept_gathered=tuple(p.strip() for p in kept.split(",") if p.strip()) if kept else (),
     )
+
+
+def _tp_plan(spec: str) -> Any:
+    from lightning_memest.cases import resolve_object
+
+    plan = resolve_object(spec, "--tp-plan")
+    if not callable(plan):
+        raise SpecError(f"--tp-plan {spec!r} is not a function (it is a {type(plan).__name__!r})")
+    return plan
 
 
 def _dtype(name: str | None) -> torch.dtype | None:

@@ -177,8 +177,8 @@ def _add_calibrate_flag(p: argparse.ArgumentParser) -> None:
 def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "data parallelism",
-        "simulate one rank (rank 0) of a DDP or FSDP2 job with PyTorch's own code on a fake process group; "
-        "every figure is per rank",
+        "simulate one rank (rank 0) of a DDP, FSDP2 or tensor-parallel job with PyTorch's own code on a fake "
+        "process group; every figure is per rank",
     )
     g.add_argument("--strategy", choices=STRATEGIES, default=None, help="ddp or fsdp (FSDP2 fully_shard)")
     g.add_argument(
@@ -217,6 +217,21 @@ def _add_strategy_flags(p: argparse.ArgumentParser) -> None:
         metavar="PATH,...",
         help="units (their module paths, e.g. blocks.31) given reshard_after_forward=False alone: as large "
         "jobs keep the last block gathered",
+    )
+    g.add_argument(
+        "--tp",
+        type=whole(1, MAX_WORLD_SIZE, " (2**16 ranks)"),
+        default=None,
+        metavar="N",
+        help="tensor parallelism over N ranks, by --tp-plan; with --strategy fsdp --world-size W, a 2-D "
+        "mesh of W/N data-parallel x N tensor-parallel ranks (Lightning's ModelParallelStrategy)",
+    )
+    g.add_argument(
+        "--tp-plan",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="the job's tensor-parallel plan, called as FUNCTION(model, mesh) on a 1-D mesh of --tp ranks "
+        "(parallelize_module with its styles, torchtitan's apply_tp)",
     )
     g.add_argument(
         "--bucket-cap-mb",

@@ -220,17 +220,17 @@ class ArrivedPlan:
 
 def arrived_model_parallel(
     model: nn.Module, data_parallel: int, tensor_parallel: int, rank: int
-) -> ModelParallel | FSDP | None:
+) -> ModelParallel | None:
     """The strategy that redoes what a job's ``configure_model`` did to ``model`` on a
-    ``data_parallel`` x ``tensor_parallel`` mesh, as rank ``rank``: :func:`fsdp_like` alone where only
-    ``fully_shard`` was applied on a data-parallel mesh, a :class:`ModelParallel` with an
-    :class:`ArrivedPlan` where the module has tensor parallelism; ``None`` when it is neither."""
+    ``data_parallel`` x ``tensor_parallel`` mesh, as rank ``rank``: a :class:`ModelParallel` with an
+    :class:`ArrivedPlan` (tensor parallelism, FSDP2, or both); ``None`` when the module arrived as it
+    was built."""
     fsdp = fsdp_like(model)
     placements = tuple(
         (name, found) for name, p in model.named_parameters() if (found := _tensor_placements(p)) is not None
     )
     hooks = tuple(mesh_hooks(model))
-    if not placements and not hooks and (fsdp is None or tensor_parallel == 1):
-        return fsdp
+    if fsdp is None and not placements and not hooks:
+        return None
     plan = ArrivedPlan(placements, hooks, fsdp)
     return ModelParallel(data_parallel, tensor_parallel, plan=plan, rank=rank)

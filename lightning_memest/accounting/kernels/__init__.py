@@ -3,8 +3,9 @@
 Where each concept lives: ``model.py`` (what a model answers, the registries), ``calibrate.py`` (the
 machine's own kernels measured, per op signature, cached), and the hand models: ``cpu.py`` (oneDNN
 arithmetic; matrix products, normalization, reductions), ``cpu_conv.py`` (convolutions),
-``cpu_rnn.py`` (the LSTM), ``cuda_attention.py`` (SDPA's CUDA backends, for what-ifs). A new hand model
-is a small function registered in the file of its device and op family.
+``cpu_rnn.py`` (the LSTM), ``cpu_collectives.py`` (gloo's collectives), ``cuda_attention.py`` (SDPA's
+CUDA backends, for what-ifs). A new hand model is a small function registered in the file of its
+device and op family.
 
 This module holds the policy: :func:`kernel_fn` says who speaks for a simulation -- a calibration of
 its device where it has the signature, else the hand models: CPU models for a run on the CPU, CUDA
@@ -28,7 +29,13 @@ from typing import Any
 from torch._ops import OpOverload
 
 # Imported for their registrations.
-from lightning_memest.accounting.kernels import cpu, cpu_conv, cpu_rnn, cuda_attention  # noqa: F401
+from lightning_memest.accounting.kernels import (  # noqa: F401
+    cpu,
+    cpu_collectives,
+    cpu_conv,
+    cpu_rnn,
+    cuda_attention,
+)
 from lightning_memest.accounting.kernels.calibrate import Calibration, calibratable, outputs_only
 from lightning_memest.accounting.kernels.model import (
     CPU_KERNELS,
