@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
     from lightning_memest.adapter import FitBatchSize, MemEstimate
-    from lightning_memest.engine.distributed import DDP, FSDP, TP, ModelParallel
+    from lightning_memest.engine.parallel.distributed import DDP, FSDP, TP, ModelParallel
     from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError, SpecError, TraceError
     from lightning_memest.estimate import estimate_step
     from lightning_memest.plan import CheckpointPlan, CompiledBudget, plan_checkpointing, plan_compiled_budget
@@ -60,10 +60,10 @@ __version__ = "0.1.0.dev0"
 #: to import and Lightning more, and ``import lightning_memest`` should cost neither until a name that
 #: needs them is used (``memest --help`` needs none; ``estimate_step`` does without Lightning).
 _LAZY = {
-    "DDP": "lightning_memest.engine.distributed",
-    "FSDP": "lightning_memest.engine.distributed",
-    "TP": "lightning_memest.engine.distributed",
-    "ModelParallel": "lightning_memest.engine.distributed",
+    "DDP": "lightning_memest.engine.parallel.distributed",
+    "FSDP": "lightning_memest.engine.parallel.distributed",
+    "TP": "lightning_memest.engine.parallel.distributed",
+    "ModelParallel": "lightning_memest.engine.parallel.distributed",
     "BatchSizeResult": "lightning_memest.search",
     "Breakdown": "lightning_memest.report",
     "CheckpointPlan": "lightning_memest.plan",

@@ -56,7 +56,7 @@ DEFAULT_LOSS: LossName = "cross_entropy"
 #: created inside the first ``step()``) is what makes the first step differ from the steady state.
 DEFAULT_OPTIMIZER: OptimizerName = "adam"
 
-#: The data-parallel strategies simulated on a fake process group (``engine.distributed``).
+#: The data-parallel strategies simulated on a fake process group (``engine.parallel.distributed``).
 STRATEGIES = ("ddp", "fsdp")
 
 #: What a plain model's batch does: a training step, a validation batch, a predict batch.

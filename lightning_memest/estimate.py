@@ -13,8 +13,8 @@ from lightning_memest.accounting import account, capture_filter
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.accounting.kernels.calibrate import calibrate as calibrate_kernels
 from lightning_memest.constants import LOOPS
-from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.inference_step import PlainLoop, loop_runner
+from lightning_memest.engine.parallel.distributed import Strategy
 from lightning_memest.engine.simulate import Simulation, simulate, simulate_replaying
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
 from lightning_memest.options import check_choice, check_step_options, check_strategy

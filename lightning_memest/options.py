@@ -42,7 +42,7 @@ from torch import nn
 from lightning_memest.sizes import MemoryBudget
 
 if TYPE_CHECKING:
-    from lightning_memest.engine.distributed import Strategy
+    from lightning_memest.engine.parallel.distributed import Strategy
 
 __all__ = [
     "check_budget",
@@ -181,7 +181,7 @@ def check_strategy(value: object) -> Strategy | None:
     TypeError: strategy must be lightning_memest.DDP(world_size), FSDP(world_size), TP(world_size, plan=...), ModelParallel(data_parallel, tensor_parallel, plan=...) or None; got the string 'ddp': pass strategy=DDP(world_size=N)
     """  # noqa: E501
     # Imported here: this module is a leaf that any layer, the engine's own included, may import.
-    from lightning_memest.engine.distributed import DDP, FSDP, TP, ModelParallel
+    from lightning_memest.engine.parallel.distributed import DDP, FSDP, TP, ModelParallel
 
     if value is None or isinstance(value, (DDP, FSDP, TP, ModelParallel)):
         return value

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_memest.engine.distributed import Strategy
+from lightning_memest.engine.parallel.distributed import Strategy
 from lightning_memest.engine.step import StepConfig
 from lightning_memest.measure import measure_step
 from tests.models import TinyGPT, lm_batch

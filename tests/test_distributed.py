@@ -19,7 +19,7 @@ from torch import nn
 
 from lightning_memest import DDP, FSDP, TP, EstimationError, ModelParallel, estimate_step, max_batch_size
 from lightning_memest.cli import main
-from lightning_memest.engine.distributed import fsdp_units
+from lightning_memest.engine.parallel.distributed import fsdp_units
 from tests import dist_worker
 from tests.models import TinyGPT, lm_batch
 
@@ -281,7 +281,7 @@ def test_a_module_that_arrived_tensor_parallel_is_estimated_as_the_same_plan_fro
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from lightning_memest.engine.arrived import arrived_model_parallel, mesh_hooks
+    from lightning_memest.engine.parallel.arrived import arrived_model_parallel, mesh_hooks
 
     x = dist_worker.batch()
     planned = estimate_step(

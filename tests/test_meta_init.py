@@ -1,5 +1,5 @@
 """A model built on the meta device and sharded is estimated as large jobs initialise it
-(``engine.meta_init``): the unsharded parameters never exist, so the CUDA what-if's reserved memory
+(``engine.parallel.meta_init``): the unsharded parameters never exist, so the CUDA what-if's reserved memory
 falls with the shard as the allocated memory does."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from lightning_memest import estimate_step
 from lightning_memest.accounting.cuda_device import CudaDevice
-from lightning_memest.engine.distributed import FSDP
+from lightning_memest.engine.parallel.distributed import FSDP
 
 
 class Block(nn.Module):

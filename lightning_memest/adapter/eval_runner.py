@@ -23,10 +23,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
-from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.events import Phase
 from lightning_memest.engine.fake import setattr_raw
 from lightning_memest.engine.inference_step import wrap_for_inference
+from lightning_memest.engine.parallel.distributed import Strategy
 from lightning_memest.engine.step import StepListener
 
 __all__ = ["STEP_METHODS", "EvalRunner", "Loop"]

@@ -31,8 +31,8 @@ from lightning_memest.adapter.batch_index import IndexReads
 from lightning_memest.adapter.package import is_lightning_module, lightning_classes
 from lightning_memest.adapter.runner import LightningRunner
 from lightning_memest.adapter.weight_averaging import WeightAveragingMirror
-from lightning_memest.engine.arrived import arrived_model_parallel
-from lightning_memest.engine.distributed import DDP, Strategy
+from lightning_memest.engine.parallel.arrived import arrived_model_parallel
+from lightning_memest.engine.parallel.distributed import DDP, Strategy
 from lightning_memest.engine.simulate import Simulation, simulate, simulate_replaying
 from lightning_memest.engine.step import Precision, StepConfig, StepListener, autocast, check_precision
 from lightning_memest.errors import EstimationError
@@ -245,8 +245,8 @@ def _strategy(trainer: pl.Trainer) -> Strategy | None:
 
     ``DDPStrategy`` (``ddp``, ``ddp_spawn``, ...) becomes :class:`DDP` with its bucket settings, as this
     rank. ``ModelParallelStrategy`` becomes what its ``configure_model`` did, read back from the module
-    (``engine.arrived``): a :class:`ModelParallel` that redoes its tensor parallelism and FSDP2 units on
-    a fake mesh of the job's sizes. Other sharded strategies
+    (``engine.parallel.arrived``): a :class:`ModelParallel` that redoes its tensor parallelism and FSDP2
+    units on a fake mesh of the job's sizes. Other sharded strategies
     (``FSDPStrategy``'s FSDP1, DeepSpeed) are not simulated inside ``fit``: an ``EstimationError`` says
     so (the callback turns it into one warning); ``memest estimate --strategy fsdp`` answers for them.
     """

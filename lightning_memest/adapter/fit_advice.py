@@ -30,7 +30,7 @@ from lightning_memest.adapter.fit_batches import FitBatches
 from lightning_memest.adapter.guard import Guard
 from lightning_memest.advice import Option, advise
 from lightning_memest.budget import PrecheckResult
-from lightning_memest.engine.distributed import FSDP
+from lightning_memest.engine.parallel.distributed import FSDP
 from lightning_memest.plan import CheckpointPlan, apply_checkpointing, plan_step
 from lightning_memest.plan.checkpointing import remove_checkpointing
 from lightning_memest.report import StepEstimate

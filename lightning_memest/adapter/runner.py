@@ -36,9 +36,9 @@ from torch import Tensor, nn
 
 from lightning_memest.adapter.batch_index import IndexReads, WatchedIndex
 from lightning_memest.adapter.package import base_method, lightning_classes
-from lightning_memest.engine.distributed import DDP, Strategy, wrap
 from lightning_memest.engine.events import Phase
 from lightning_memest.engine.fake import setattr_raw
+from lightning_memest.engine.parallel.distributed import DDP, Strategy, wrap
 from lightning_memest.engine.step import Precision, StepListener, autocast, optimizer_state_tensors
 from lightning_memest.errors import EstimationError
 

@@ -53,8 +53,8 @@ from lightning_memest.constants import (
     LOSSES,
     OPTIMIZERS,
 )
-from lightning_memest.engine.distributed import Strategy
 from lightning_memest.engine.inference_step import PlainLoop
+from lightning_memest.engine.parallel.distributed import Strategy
 from lightning_memest.engine.real_path import VALUE_LIMIT
 from lightning_memest.engine.step import (
     LossFn,

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from lightning_memest.accounting.cuda_device import CudaDevice
     from lightning_memest.cases import Case, InputSpec
-    from lightning_memest.engine.distributed import FSDP, Strategy
+    from lightning_memest.engine.parallel.distributed import FSDP, Strategy
 
 __all__ = ["MAX_JSON_DEPTH", "Settings", "settings"]
 
@@ -192,13 +192,13 @@ def _strategy(args: argparse.Namespace) -> Strategy | None:
             raise SpecError("--world-size goes with --strategy ddp|fsdp")
         if tp is None or plan is None:
             return None
-        from lightning_memest.engine.distributed import TP
+        from lightning_memest.engine.parallel.distributed import TP
 
         return TP(tp, plan=_tp_plan(plan))
     if args.world_size is None:
         raise SpecError(f"--strategy {args.strategy} needs --world-size N")
-    from lightning_memest.engine.distributed import DDP, ModelParallel
-    from lightning_memest.engine.parallel_plans import TensorThenShard
+    from lightning_memest.engine.parallel.distributed import DDP, ModelParallel
+    from lightning_memest.engine.parallel.plans import TensorThenShard
 
     if tp is not None and plan is not None:
         if args.strategy != "fsdp":
@@ -217,7 +217,7 @@ def _strategy(args: argparse.Namespace) -> Strategy | None:
 
 
 def _fsdp(args: argparse.Namespace, world_size: int) -> FSDP:
-    from lightning_memest.engine.distributed import FSDP
+    from lightning_memest.engine.parallel.distributed import FSDP
 
     units = tuple(u.strip() for u in args.fsdp_units.split(",") if u.strip()) if args.fsdp_units else None
     kept = args.fsdp_kept_gathered

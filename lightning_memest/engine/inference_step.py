@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_memest.constants import LOOPS, PlainLoop
-from lightning_memest.engine.distributed import DDP, Strategy, wrap
 from lightning_memest.engine.events import Phase
+from lightning_memest.engine.parallel.distributed import DDP, Strategy, wrap
 from lightning_memest.engine.step import (
     RunnerFactory,
     StepConfig,

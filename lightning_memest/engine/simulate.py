@@ -21,7 +21,6 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from lightning_memest.batches import iter_tensors, map_tensors
-from lightning_memest.engine.arrived import strip_fully_shard
 from lightning_memest.engine.autograd_threads import settle_device_threads
 from lightning_memest.engine.collector import collector_off
 from lightning_memest.engine.compiled import (
@@ -33,7 +32,6 @@ from lightning_memest.engine.compiled import (
 )
 from lightning_memest.engine.cuda_autocast import cuda_autocast_lists
 from lightning_memest.engine.cuda_paths import cuda_code_paths
-from lightning_memest.engine.distributed import DDP, fake_process_group, untracked_sharding_propagation
 from lightning_memest.engine.events import DataDependent, Event, OpEvent, Phase, PhaseStart, Role
 from lightning_memest.engine.fake import (
     FakeConverter,
@@ -44,7 +42,13 @@ from lightning_memest.engine.fake import (
     swappable_fakes,
 )
 from lightning_memest.engine.hooks import module_scopes, saved_tensor_tags, storage_resizes
-from lightning_memest.engine.meta_init import initialised_sharded
+from lightning_memest.engine.parallel.arrived import strip_fully_shard
+from lightning_memest.engine.parallel.distributed import (
+    DDP,
+    fake_process_group,
+    untracked_sharding_propagation,
+)
+from lightning_memest.engine.parallel.meta_init import initialised_sharded
 from lightning_memest.engine.real_path import real_path
 from lightning_memest.engine.replay.block_replay import (
     ReplayMismatch,
@@ -172,7 +176,7 @@ def simulate(
 
     ``config`` says what a step does (its precision converts the batch and weights for ``*-true``;
     with a ``strategy``, DDP or FSDP, the step runs as one rank of it on a fake process group, see
-    ``engine.distributed``). ``runner`` builds what runs each step: the plain :class:`StepRunner` by
+    ``engine.parallel.distributed``). ``runner`` builds what runs each step: the plain :class:`StepRunner` by
     default, or another (the Lightning adapter's fit-loop runner), from the same config. ``model`` is
     left exactly as it was (see ``engine.fake``), and so are the global random generators (torch's,
     NumPy's, Python's), whatever the step draws and however it ends. Libraries take the code path of

@@ -27,8 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_memest.constants import PRECISIONS, Precision
-from lightning_memest.engine.distributed import Strategy, wrap
 from lightning_memest.engine.events import Phase
+from lightning_memest.engine.parallel.distributed import Strategy, wrap
 from lightning_memest.options import check_strategy
 
 __all__ = [

@@ -44,7 +44,7 @@ from torch import nn
 from lightning_memest.accounting import PeakProfile, capture_filter, peak_profile
 from lightning_memest.accounting.cuda_device import CudaDevice
 from lightning_memest.constants import DEFAULT_CAP
-from lightning_memest.engine.distributed import Strategy
+from lightning_memest.engine.parallel.distributed import Strategy
 from lightning_memest.engine.simulate import Simulation, simulate, simulate_replaying
 from lightning_memest.engine.step import LossFn, OptimizerFactory, Precision, StepConfig, sum_loss
 from lightning_memest.errors import EstimationError, one_line

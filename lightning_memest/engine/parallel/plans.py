@@ -1,4 +1,4 @@
-"""Plans for :class:`~lightning_memest.engine.distributed.ModelParallel` built from simpler parts:
+"""Plans for :class:`~lightning_memest.engine.parallel.distributed.ModelParallel` built from simpler parts:
 the job's own tensor-parallel plan on the mesh's tensor-parallel dimension, then FSDP2 units over its
 data-parallel dimension -- what ``memest estimate --tp N --tp-plan MODULE:FUNCTION --strategy fsdp``
 runs (torchtitan's order: TP inside each block, then ``fully_shard`` on the blocks and the root).
@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memest.engine.distributed import FSDP, fsdp_units, shard_units
+from lightning_memest.engine.parallel.distributed import FSDP, fsdp_units, shard_units
 
 __all__ = ["TensorThenShard"]
 

@@ -18,7 +18,7 @@ Example:
     >>> import torch
     >>> from torch import nn
     >>> from lightning_memest import estimate_step
-    >>> from lightning_memest.engine.distributed import FSDP
+    >>> from lightning_memest.engine.parallel.distributed import FSDP
     >>> model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 256))
     >>> est = estimate_step(model, torch.randn(8, 256), optimizer=torch.optim.Adam,
     ...                     strategy=FSDP(world_size=4, units=("Linear",)))

@@ -33,7 +33,13 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memest.engine.distributed import FSDP, MESH_DIMS, ModelParallel, fsdp_units, shard_units
+from lightning_memest.engine.parallel.distributed import (
+    FSDP,
+    MESH_DIMS,
+    ModelParallel,
+    fsdp_units,
+    shard_units,
+)
 from lightning_memest.errors import EstimationError
 
 __all__ = [
