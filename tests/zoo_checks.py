@@ -5,6 +5,9 @@ asserts its loss is neither NaN nor infinite (as pytorch-forecasting's ``BaseMod
 exact Gaussian process in gpytorch (its debug check, on by default, that it trains on its training
 inputs; a Cholesky factor and triangular solves, forward and backward), and a neural ODE solved by
 torchdiffeq's adaptive dopri5 (its step count follows from the values: the step is followed on them).
+And a classifier trained in Float8 through torchao (issue 47): ``convert_to_float8_training`` in
+``configure_model``, as torchao's users write it; its fp8 matrix products run in ``aten._scaled_mm``,
+whose CPU kernel the estimate measures on the machine (``accounting/kernels/measured_ops.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributions import Bernoulli, Categorical, Normal, kl_divergence
 from torch.utils.data import DataLoader, Dataset, TensorDataset
-from zoo import Built, Counting, ZooCase
+from zoo import Built, Counting, MLPClassifier, ZooCase
 
 __all__ = ["CHECK_CASES"]
 
@@ -243,10 +246,30 @@ def _neural_ode() -> Built:
     return Built(NeuralODEClassifier(data), data)
 
 
+# --- Float8 training through torchao ----------------------------------------------------------------------
+class Float8Classifier(MLPClassifier):
+    """The zoo's MLP classifier with its hidden linears trained in Float8 (dynamic tensorwise scaling,
+    torchao's default), the head left in high precision (its ``module_filter_fn``)."""
+
+    def configure_model(self) -> None:
+        from torchao.float8 import convert_to_float8_training
+
+        head = str(len(self.net) - 1)
+        convert_to_float8_training(self.net, module_filter_fn=lambda module, fqn: fqn != head)
+
+
+def _float8() -> Built:
+    g = _generator()
+    images = torch.randn(256, 3, 32, 32, generator=g)
+    data = Counting(TensorDataset(images, torch.randint(0, 10, (256,), generator=g)))
+    return Built(Float8Classifier(data, hidden=512), data)
+
+
 CHECK_CASES: tuple[ZooCase, ...] = (
     ZooCase("dist_vae", _vae, what="a VAE on torch.distributions, argument validation on"),
     ZooCase("ppo_categorical", _ppo, what="PPO's clipped objective, a Categorical policy, validation on"),
     ZooCase("forecast_loss_asserts", _forecaster, what="asserts not isnan(loss), isfinite(loss)"),
     ZooCase("gpytorch_exact_gp", _exact_gp, max_steps=3, what="gpytorch exact GP, its debug checks on"),
     ZooCase("neural_ode_dopri5", _neural_ode, what="torchdiffeq's adaptive dopri5, backprop through it"),
+    ZooCase("float8_torchao", _float8, what="torchao's Float8Linear (fp8 matmuls in aten._scaled_mm)"),
 )

@@ -37,6 +37,7 @@ from lightning_memest.accounting.kernels import (  # noqa: F401
     cuda_attention,
 )
 from lightning_memest.accounting.kernels.calibrate import Calibration, calibratable, outputs_only
+from lightning_memest.accounting.kernels.measured_ops import MEASURED_CPU_OPS, MeasuredOps
 from lightning_memest.accounting.kernels.model import (
     CPU_KERNELS,
     CUDA_KERNELS,
@@ -112,7 +113,8 @@ def kernel_fn(
     (:class:`CalibratedKernels`)."""
     hand, registry = _hand(device_type, what_if, capability)
     if calibration is None or what_if or calibration.device != device_type:
-        return hand
+        # A CPU run measures the few ops no hand model can speak for (measured_ops.py).
+        return MeasuredOps(hand) if device_type == "cpu" and not what_if else hand
     return CalibratedKernels(calibration, hand, registry)
 
 
@@ -165,6 +167,8 @@ class CalibratedKernels:
 
 def captures_kernel(op: OpOverload) -> bool:
     """Whether any kernel model needs ``op``'s full call: part of the engine's capture filter."""
+    if op in MEASURED_CPU_OPS:
+        return True
     return any(r.lookup(op) is not None for r in (CPU_KERNELS, CUDA_KERNELS, CUDA_WHAT_IF_KERNELS))
 
 
