@@ -724,7 +724,8 @@ def test_the_parser_s_choices_are_the_library_s() -> None:
     # One definition each, in lightning_memest.constants (torch-free, for the parser); where the
     # library still spells one itself, it must say the same.
     from lightning_memest import constants, fx, search
-    from lightning_memest.engine import distributed, inference_step, step
+    from lightning_memest.engine import inference_step, step
+    from lightning_memest.engine.parallel import distributed
     from lightning_memest.report import tables
 
     assert step.PRECISIONS == constants.PRECISIONS
