@@ -37,7 +37,6 @@ from lightning_memest.engine.parallel.distributed import (
     FSDP,
     MESH_DIMS,
     ModelParallel,
-    fsdp_units,
     shard_units,
 )
 from lightning_memest.errors import EstimationError
@@ -220,8 +219,7 @@ class ArrivedPlan:
             hooks = module._forward_pre_hooks if kind == "pre" else module._forward_hooks
             hooks[key] = _on_mesh(hooks[key], mesh)  # in place: the module's hook order is kept
         if self.fsdp is not None:
-            units = [*fsdp_units(model, self.fsdp.units), model]
-            shard_units(model, units, self.fsdp, mesh["data_parallel"], None)
+            shard_units(model, self.fsdp, mesh["data_parallel"])
 
 
 def arrived_model_parallel(

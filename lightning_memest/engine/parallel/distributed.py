@@ -1,12 +1,15 @@
-"""Data parallelism as one rank sees it: PyTorch's own DDP and FSDP2 over a fake process group.
+"""Data and tensor parallelism as one rank sees it: PyTorch's own DDP, FSDP2 and DTensor styles over
+fake process groups.
 
-A strategy (:class:`DDP`, :class:`FSDP`) says how a model is wrapped for a given world size;
-:func:`wrap` wraps it with PyTorch's real classes (``DistributedDataParallel``, ``fully_shard``), the
+A strategy (:class:`DDP`, :class:`FSDP`, :class:`TP`, :class:`ModelParallel`) says how a model is
+wrapped for a given world size; :func:`wrap` wraps it with PyTorch's real classes
+(``DistributedDataParallel``, ``fully_shard``, the job's ``parallelize_module`` plan), the
 same way for a simulation on fake tensors and for a real, measured run. In a simulation the process
 group is the fake one PyTorch ships for its tests (``torch.testing._internal.distributed.fake_pg``):
 collectives return at once and move no data. That is all a memory estimate needs: every buffer DDP and
 FSDP allocate -- gradient buckets, sharded parameters, all-gathered units, reduce-scatter inputs -- is
-allocated by their own code, exactly as on a real rank.
+allocated by their own code, exactly as on a real rank; what gloo allocates inside a collective on a
+CPU job is a kernel model of the collective's op (``accounting/kernels/cpu_collectives.py``).
 
 What the fake run has to be helped with (all of it about data a fake tensor does not have):
 DDP's construction-time check that all ranks hold the same shapes (it reads the tensors), its
@@ -370,14 +373,13 @@ def _model_parallel(
     ``configure_model``); the units it sharded with ``fully_shard`` tag their gathered weights."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    shape = (strategy.data_parallel, strategy.tensor_parallel)
+    device_type, shape = _device_type(model), (strategy.data_parallel, strategy.tensor_parallel)
     if len(groups) == 1:  # a real job (a measured run): the mesh as Lightning builds it, its groups made
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
     else:
         with unset_fake_temporarily():  # the mesh is a small real tensor of ranks
             layout = torch.arange(strategy.world_size).view(shape)
-            mesh = DeviceMesh.from_group(list(groups[1:]), device.type, mesh=layout, mesh_dim_names=MESH_DIMS)
+            mesh = DeviceMesh.from_group(list(groups[1:]), device_type, mesh=layout, mesh_dim_names=MESH_DIMS)
     strategy.plan(model, mesh)
     from torch.distributed.fsdp import FSDPModule
 
@@ -389,9 +391,13 @@ def _mesh(model: nn.Module, group: Any) -> Any:
     """A 1-D device mesh over ``group``, of the device the model's parameters are on."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     with unset_fake_temporarily():  # the mesh is a small real tensor of ranks, read by its constructor
-        return DeviceMesh.from_group(group, device.type)
+        return DeviceMesh.from_group(group, _device_type(model))
+
+
+def _device_type(model: nn.Module) -> str:
+    """The type of the device the model's parameters are on (a mesh's device type)."""
+    return next((p.device.type for p in model.parameters()), "cpu")
 
 
 def _ddp(
@@ -452,19 +458,19 @@ class _KeepBuckets:
 
 
 def _fsdp(model: nn.Module, strategy: FSDP, group: Any, on_buffers: BufferListener | None) -> nn.Module:
-    units = [*fsdp_units(model, strategy.units), model]
-    shard_units(model, units, strategy, _mesh(model, group), on_buffers)
+    shard_units(model, strategy, _mesh(model, group), on_buffers)
     return model
 
 
 def shard_units(
-    model: nn.Module, units: list[nn.Module], strategy: FSDP, mesh: Any, on_buffers: BufferListener | None
+    model: nn.Module, strategy: FSDP, mesh: Any, on_buffers: BufferListener | None = None
 ) -> None:
-    """``fully_shard`` on each of ``units`` (inner ones first, the root last) over ``mesh``, with
-    ``strategy``'s policy and resharding; the units named in its ``kept_gathered`` alone keep their
-    parameters gathered after forward."""
+    """``fully_shard`` on each of ``strategy``'s units (:func:`fsdp_units`, inner ones first), then on
+    the root, over ``mesh``, with its policy and resharding; the units named in its ``kept_gathered``
+    alone keep their parameters gathered after forward."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    units = [*fsdp_units(model, strategy.units), model]
     options: dict[str, Any] = {
         "mesh": mesh,
         "reshard_after_forward": strategy.reshard_after_forward,

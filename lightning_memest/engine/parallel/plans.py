@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_memest.engine.parallel.distributed import FSDP, fsdp_units, shard_units
+from lightning_memest.engine.parallel.distributed import FSDP, shard_units
 
 __all__ = ["TensorThenShard"]
 
@@ -41,5 +41,4 @@ class TensorThenShard:
 
     def __call__(self, model: nn.Module, mesh: Any) -> None:
         self.tensor_plan(model, mesh["tensor_parallel"])
-        units = [*fsdp_units(model, self.fsdp.units), model]
-        shard_units(model, units, self.fsdp, mesh["data_parallel"], None)
+        shard_units(model, self.fsdp, mesh["data_parallel"])
