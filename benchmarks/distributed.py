@@ -1,7 +1,10 @@
-"""Per-rank estimates under DDP and FSDP2 (issue 7): accuracy against real runs, and a 7B answer's speed.
+"""Per-rank estimates under DDP, FSDP2, tensor and pipeline parallelism: accuracy against real runs,
+and a 7B answer's speed.
 
 1. TinyGPT (4 layers, d_model 256, batch 8 x 128, AdamW) as a real two-process CPU job (gloo backend)
-   under DDP, FSDP2 and tensor parallelism of each block's MLP (``parallelize_module``),
+   under DDP, FSDP2 and tensor parallelism of each block's MLP (``parallelize_module``), and the same
+   decoder written for pipelines (``tests/pipeline_models.py``) in 2 stages, 4 microbatches, under
+   PyTorch's GPipe, 1F1B and interleaved 1F1B schedules,
    each rank measured with the profiler's allocator events (``tests/dist_worker.py``), against the
    estimate of that rank (PyTorch's DDP / fully_shard on a fake process group). "settled" runs pause
    2 ms after each collective's wait so that gloo's worker thread has dropped its references first and
@@ -30,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lightning_memest import DDP, FSDP, TP, ModelParallel, estimate_step  # noqa: E402
+from lightning_memest import DDP, FSDP, TP, ModelParallel, Pipeline, estimate_step  # noqa: E402
 from tests import dist_worker  # noqa: E402
 from tests.models import TinyGPT, lm_loss  # noqa: E402
 
@@ -55,12 +58,20 @@ def _tp_fsdp(world_size: int, rank: int = 0) -> ModelParallel:
     return ModelParallel(world_size // 2, 2, plan=dist_worker.tp_fsdp_plan, rank=rank)
 
 
+def _pipeline(schedule: str) -> Callable[..., Pipeline]:
+    # the pipeline decoder's 4 layers on 2 ranks, 4 microbatches (interleaved: 2 stages a rank)
+    return lambda world_size, rank=0: dist_worker.pipeline(schedule, rank=rank, stages=world_size)
+
+
 #: (name, world size, the strategy for (world size, rank=...)).
 STRATEGIES: tuple[tuple[str, int, Callable[..., Any]], ...] = (
     ("DDP", 2, DDP),
     ("FSDP", 2, FSDP),
     ("TP", 2, _tp),
     ("TP x FSDP", 4, _tp_fsdp),
+    ("PP 1F1B", 2, _pipeline("1F1B")),
+    ("PP GPipe", 2, _pipeline("GPipe")),
+    ("PP Interleaved1F1B", 2, _pipeline("Interleaved1F1B")),
 )
 
 
@@ -74,11 +85,13 @@ def accuracy(unsettled_repeats: int = 3) -> None:
         settled = dist_worker.run_ranks(make(world), _port())
         loose = [dist_worker.run_ranks(make(world), _port(), settle=False) for _ in range(unsettled_repeats)]
         for rank in range(world):
+            strategy = make(world, rank=rank)
+            staged = isinstance(strategy, Pipeline)  # the pipeline decoder, on (tokens, targets)
             est = estimate_step(
-                dist_worker.build(),
-                dist_worker.batch(),
+                dist_worker.build_pipe() if staged else dist_worker.build(),
+                dist_worker.pipe_batch() if staged else dist_worker.batch(),
                 optimizer=dist_worker.optimizer,
-                strategy=make(world, rank=rank),
+                strategy=strategy,
             )
             for step, label in enumerate(("first", "steady")):
                 e, m = est.peaks[step].bytes, settled[rank][step]

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from lightning_memest.accounting.cuda_allocator import CudaCachingAllocator
     from lightning_memest.adapter import FitBatchSize, MemEstimate
     from lightning_memest.engine.parallel.distributed import DDP, FSDP, TP, ModelParallel
+    from lightning_memest.engine.parallel.pipeline import Pipeline
     from lightning_memest.errors import EstimationError, MemestError, MemoryBudgetError, SpecError, TraceError
     from lightning_memest.estimate import estimate_step
     from lightning_memest.plan import CheckpointPlan, CompiledBudget, plan_checkpointing, plan_compiled_budget
@@ -45,6 +46,7 @@ __all__ = [
     "ModelParallel",
     "ModuleStats",
     "Peak",
+    "Pipeline",
     "SpecError",
     "StepEstimate",
     "TimelinePoint",
@@ -64,6 +66,7 @@ _LAZY = {
     "FSDP": "lightning_memest.engine.parallel.distributed",
     "TP": "lightning_memest.engine.parallel.distributed",
     "ModelParallel": "lightning_memest.engine.parallel.distributed",
+    "Pipeline": "lightning_memest.engine.parallel.pipeline",
     "BatchSizeResult": "lightning_memest.search",
     "Breakdown": "lightning_memest.report",
     "CheckpointPlan": "lightning_memest.plan",

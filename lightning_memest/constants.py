@@ -27,6 +27,7 @@ __all__ = [
     "MODULE_ORDERS",
     "NODE_ORDERS",
     "OPTIMIZERS",
+    "PIPELINE_SCHEDULES",
     "PRECISIONS",
     "STRATEGIES",
     "LossName",
@@ -58,6 +59,10 @@ DEFAULT_OPTIMIZER: OptimizerName = "adam"
 
 #: The data-parallel strategies simulated on a fake process group (``engine.parallel.distributed``).
 STRATEGIES = ("ddp", "fsdp")
+
+#: The pipeline schedules simulated (``engine.parallel.pipeline``), by the names of
+#: ``torch.distributed.pipelining``'s classes (``ScheduleGPipe``, ``Schedule1F1B``, ...).
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 
 #: What a plain model's batch does: a training step, a validation batch, a predict batch.
 PlainLoop = Literal["train", "validate", "predict"]

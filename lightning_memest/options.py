@@ -172,25 +172,27 @@ def check_model(value: object, name: str = "model") -> nn.Module:
 
 
 def check_strategy(value: object) -> Strategy | None:
-    """``value`` if it is ``None`` or a strategy (``DDP(...)``, ``FSDP(...)``, ``TP``, ``ModelParallel``); a ``TypeError`` saying what to pass
+    """``value`` if it is ``None`` or a strategy (``DDP(...)``, ``FSDP(...)``, ``TP``, ``ModelParallel``,
+    ``Pipeline``); a ``TypeError`` saying what to pass
     otherwise (a string names no world size).
 
     >>> check_strategy("ddp")
     Traceback (most recent call last):
     ...
-    TypeError: strategy must be lightning_memest.DDP(world_size), FSDP(world_size), TP(world_size, plan=...), ModelParallel(data_parallel, tensor_parallel, plan=...) or None; got the string 'ddp': pass strategy=DDP(world_size=N)
+    TypeError: strategy must be lightning_memest.DDP(world_size), FSDP(world_size), TP(world_size, plan=...), ModelParallel(data_parallel, tensor_parallel, plan=...), Pipeline(stages, split=..., microbatches=...) or None; got the string 'ddp': pass strategy=DDP(world_size=N)
     """  # noqa: E501
     # Imported here: this module is a leaf that any layer, the engine's own included, may import.
-    from lightning_memest.engine.parallel.distributed import DDP, FSDP, TP, ModelParallel
+    from lightning_memest.engine.parallel.distributed import DDP, FSDP, TP, ModelParallel, Pipeline
 
-    if value is None or isinstance(value, (DDP, FSDP, TP, ModelParallel)):
+    if value is None or isinstance(value, (DDP, FSDP, TP, ModelParallel, Pipeline)):
         return value
     wanted = (
         "strategy must be lightning_memest.DDP(world_size), FSDP(world_size), TP(world_size, plan=...), "
-        "ModelParallel(data_parallel, tensor_parallel, plan=...) or None"
+        "ModelParallel(data_parallel, tensor_parallel, plan=...), Pipeline(stages, split=..., "
+        "microbatches=...) or None"
     )
     if isinstance(value, str):
-        meant = {"ddp": "DDP", "fsdp": "FSDP", "tp": "TP"}.get(value.strip().lower())
+        meant = {"ddp": "DDP", "fsdp": "FSDP", "tp": "TP", "pp": "Pipeline"}.get(value.strip().lower())
         hint = f"strategy={meant}(world_size=N)" if meant else "one of them"
         raise TypeError(f"{wanted}; got the string {value!r}: pass {hint}")
     raise TypeError(f"{wanted}; got {_got(value)}")

@@ -12,9 +12,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_memest.engine.parallel.distributed import Strategy
+from lightning_memest.engine.parallel.pipeline import Pipeline
 from lightning_memest.engine.step import StepConfig
 from lightning_memest.measure import measure_step
 from tests.models import TinyGPT, lm_batch
+from tests.pipeline_models import PipeDecoder, split_decoder, token_loss
 
 BATCH = 8
 LAYERS = 4
@@ -35,6 +37,32 @@ def build_compiled() -> torch.nn.Module:
 
 def batch() -> torch.Tensor:
     return lm_batch(BATCH)[0]
+
+
+def build_pipe() -> torch.nn.Module:
+    """The pipeline job's decoder (its stages delete what they do not run)."""
+    torch.manual_seed(0)
+    return PipeDecoder(n_layers=LAYERS)
+
+
+def pipe_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """The pipeline job's ``(tokens, targets)``: the first stage takes the tokens, the last the targets."""
+    return lm_batch(BATCH)
+
+
+def pipeline(schedule: str = "1F1B", rank: int = 0, stages: int = 2) -> Pipeline:
+    """The decoder on ``stages`` ranks, 4 microbatches of 2 sequences, next-token loss; interleaved,
+    two stages a rank (a layer each)."""
+    per_rank = 2 if schedule == "Interleaved1F1B" else 1
+    return Pipeline(
+        stages,
+        split=split_decoder,
+        microbatches=4,
+        schedule=schedule,
+        loss=token_loss,
+        rank=rank,
+        stages_per_rank=per_rank,
+    )
 
 
 def tp_plan(model: torch.nn.Module, mesh: Any) -> None:
@@ -121,8 +149,11 @@ def _rank(
         settle_collectives()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        model = build_compiled if compiled else build
-        m = measure_step(model, batch(), StepConfig(optimizer=optimizer, strategy=strategy), steps=2)
+        if isinstance(strategy, Pipeline):
+            model, data = build_pipe, pipe_batch()
+        else:
+            model, data = build_compiled if compiled else build, batch()
+        m = measure_step(model, data, StepConfig(optimizer=optimizer, strategy=strategy), steps=2)
         out.put((rank, m.peak_bytes))
     finally:
         dist.destroy_process_group()

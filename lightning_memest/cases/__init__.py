@@ -89,6 +89,7 @@ __all__ = [
     "measure_case",
     "resolve_model",
     "resolve_object",
+    "stage_cross_entropy",
 ]
 
 
@@ -259,6 +260,13 @@ def cross_entropy_loss(model: nn.Module, batch: Any) -> Tensor:
     """
     x, target = batch
     out = first_output(model(x))
+    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def stage_cross_entropy(output: Any, target: Tensor) -> Tensor:
+    """:func:`cross_entropy_loss` as a pipeline's last stage computes it, per microbatch: of the
+    stage's (first) output against the class ids (the schedule's ``loss_fn``)."""
+    out = first_output(output)
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 

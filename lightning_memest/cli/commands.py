@@ -8,6 +8,7 @@ GPU; a measurement never is). Long work shows its progress on stderr where a per
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -17,6 +18,7 @@ from lightning_memest.cases import case_batch_maker, estimate_case, measure_case
 from lightning_memest.cli.parser import PROG
 from lightning_memest.cli.progress import Progress, watched
 from lightning_memest.cli.settings import Settings
+from lightning_memest.engine.parallel.pipeline import Pipeline
 from lightning_memest.errors import MemestError, SpecError, one_line
 from lightning_memest.fx import NODE_ORDERS, profile_graph
 from lightning_memest.report import (
@@ -48,23 +50,44 @@ def _estimate(settings: Settings, out: TextIO) -> None:
     with _progress(settings) as progress:
         progress.update(f"building {args.model}")
         case = settings.build(args.model)
-        progress.update(f"estimating {args.model}: simulating {_what(args.loop)} on fake tensors")
-        est = estimate_case(
-            case,
-            device=args.device,
-            strategy=settings.strategy,
-            gpu=settings.gpu,
-            calibrate=args.calibrate,
-            loop=args.loop,
-            replay_blocks=args.replay_blocks,
-        )
+        # A pipeline's stages differ (the first keeps the most microbatches in flight, the last holds
+        # the head): each rank is estimated, and the worst is the estimate.
+        staged = isinstance(settings.strategy, Pipeline)
+        ranks = range(settings.strategy.stages) if isinstance(settings.strategy, Pipeline) else [None]
+        stages: list[tuple[int, StepEstimate]] = []
+        for rank in ranks:
+            strategy = settings.strategy
+            if rank is not None and isinstance(strategy, Pipeline):
+                strategy = dataclasses.replace(strategy, rank=rank)
+                progress.update(f"estimating {args.model}: pipeline rank {rank + 1} of {len(ranks)}")
+            else:
+                progress.update(f"estimating {args.model}: simulating {_what(args.loop)} on fake tensors")
+            est = estimate_case(
+                case,
+                device=args.device,
+                strategy=strategy,
+                gpu=settings.gpu,
+                calibrate=args.calibrate,
+                loop=args.loop,
+                replay_blocks=args.replay_blocks,
+            )
+            stages.append((0 if rank is None else rank, est))
+        worst, est = max(stages, key=lambda s: max(p.bytes for p in s[1].peaks))
     fits = _fits_gpu(est, args.gpu_memory)
     if args.json:
         data = _estimate_json(est)
         data["gpu_memory"] = fits
+        if staged:
+            data["pipeline"] = {
+                "worst_rank": worst,
+                "ranks": [{"rank": r, "peak_bytes": max(p.bytes for p in e.peaks)} for r, e in stages],
+            }
         print(json.dumps(data), file=out)
         return
     print(f"estimate of {args.model} ({settings.describe()}{_loop_note(args.loop)})", file=out)
+    if staged:
+        peaks = ", ".join(f"rank {r} {format_bytes(max(p.bytes for p in e.peaks))}" for r, e in stages)
+        print(f"  pipeline ranks' peaks: {peaks}; the worst, rank {worst}, is reported below", file=out)
     if est.approximate:
         print(
             "  APPROXIMATE: no GPU here; simulated on the CPU and accounted as CUDA (caching allocator,"

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from lightning_memest.accounting.cuda_device import CudaDevice
     from lightning_memest.cases import Case, InputSpec
     from lightning_memest.engine.parallel.distributed import FSDP, Strategy
+    from lightning_memest.engine.parallel.pipeline import Pipeline
 
 __all__ = ["MAX_JSON_DEPTH", "Settings", "settings"]
 
@@ -76,7 +77,10 @@ class Settings:
                 text += f", activation memory budget {args.activation_memory_budget:g}"
         if self.strategy is not None:
             tp = getattr(args, "tp", None)
-            if args.strategy is None:
+            if getattr(args, "pp", None) is not None:
+                microbatches = getattr(self.strategy, "microbatches", None)
+                text += f", pipeline on {args.pp} ranks ({args.pp_schedule}, {microbatches} microbatches)"
+            elif args.strategy is None:
                 text += f", tensor parallel on {tp} ranks, per rank"
             elif tp is not None:
                 text += f", {args.strategy} x tensor parallel {tp} on {args.world_size} ranks, per rank"
@@ -179,6 +183,9 @@ _STRATEGY_FLAGS = {
 
 
 def _strategy(args: argparse.Namespace) -> Strategy | None:
+    pipeline = _pipeline(args)
+    if pipeline is not None:
+        return pipeline
     chosen = getattr(args, "strategy", None)
     for strategy, flags in _STRATEGY_FLAGS.items():
         for dest, flag in flags:
@@ -214,6 +221,40 @@ def _strategy(args: argparse.Namespace) -> Strategy | None:
             gradient_as_bucket_view=args.gradient_as_bucket_view,
         )
     return _fsdp(args, args.world_size)
+
+
+def _pipeline(args: argparse.Namespace) -> Pipeline | None:
+    """``--pp N --pp-split MODULE:FUNCTION``: rank 0's stage (the command estimates every stage)."""
+    pp, split = getattr(args, "pp", None), getattr(args, "pp_split", None)
+    if pp is None:
+        for dest, flag in (("pp_split", "--pp-split"), ("microbatches", "--microbatches")):
+            if getattr(args, dest, None) is not None:
+                raise SpecError(f"{flag} goes with --pp N")
+        return None
+    if split is None:
+        raise SpecError("--pp N needs --pp-split MODULE:FUNCTION (the job's split of the model into stages)")
+    if getattr(args, "strategy", None) is not None or getattr(args, "tp", None) is not None:
+        raise SpecError("--pp goes alone: pipeline stages combined with --strategy or --tp are not simulated")
+    if args.loop != "train":
+        raise SpecError("--pp simulates training steps (a schedule runs forward and backward together)")
+    from lightning_memest.cases import resolve_object, stage_cross_entropy
+    from lightning_memest.engine.parallel.pipeline import Pipeline
+
+    function = resolve_object(split, "--pp-split")
+    if not callable(function):
+        raise SpecError(f"--pp-split {split!r} is not a function (it is a {type(function).__name__!r})")
+    interleaved = args.pp_schedule == "Interleaved1F1B"
+    try:
+        return Pipeline(
+            pp,
+            split=function,
+            microbatches=pp if args.microbatches is None else args.microbatches,
+            schedule=args.pp_schedule,
+            loss=stage_cross_entropy if args.loss == "cross_entropy" else None,
+            stages_per_rank=args.pp_stages_per_rank if interleaved else 1,
+        )
+    except ValueError as e:
+        raise SpecError(str(e)) from None
 
 
 def _fsdp(args: argparse.Namespace, world_size: int) -> FSDP:

@@ -40,6 +40,7 @@ from lightning_memest.constants import (
     MODULE_ORDERS,
     NODE_ORDERS,
     OPTIMIZERS,
+    PIPELINE_SCHEDULES,
     PRECISIONS,
     STRATEGIES,
 )
@@ -150,7 +151,48 @@ def add_estimate_parsers(sub: Any) -> None:
             _add_calibrate_flag(p)
             _add_replay_flag(p)
             _add_strategy_flags(p)
+            _add_pipeline_flags(p)
             _add_gpu_flags(p, memory=True)
+
+
+def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "pipeline parallelism (torch.distributed.pipelining; every stage estimated, the worst reported)"
+    )
+    g.add_argument(
+        "--pp",
+        type=whole(1, MAX_WORLD_SIZE, " (2**16 ranks)"),
+        default=None,
+        metavar="N",
+        help="pipeline stages on N ranks, cut by --pp-split; the batch cut into --microbatches",
+    )
+    g.add_argument(
+        "--pp-split",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="the job's split, called as FUNCTION(model, stage, stages): prunes the model to that stage in "
+        "place (returning None or the model) or returns the stage's module",
+    )
+    g.add_argument(
+        "--microbatches",
+        type=whole(1, MAX_WORLD_SIZE, " (2**16)"),
+        default=None,
+        metavar="M",
+        help="microbatches a batch is cut into (default: one per stage)",
+    )
+    g.add_argument(
+        "--pp-schedule",
+        choices=PIPELINE_SCHEDULES,
+        default="1F1B",
+        help="the schedule (default 1F1B); Interleaved1F1B runs --pp-stages-per-rank stages a rank",
+    )
+    g.add_argument(
+        "--pp-stages-per-rank",
+        type=whole(2, 64),
+        default=2,
+        metavar="K",
+        help="with --pp-schedule Interleaved1F1B: stages a rank (default 2)",
+    )
 
 
 def add_compare_parser(sub: Any) -> None:

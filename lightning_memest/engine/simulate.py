@@ -49,6 +49,7 @@ from lightning_memest.engine.parallel.distributed import (
     untracked_sharding_propagation,
 )
 from lightning_memest.engine.parallel.meta_init import initialised_sharded
+from lightning_memest.engine.parallel.pipeline import Pipeline
 from lightning_memest.engine.real_path import real_path
 from lightning_memest.engine.replay.block_replay import (
     ReplayMismatch,
@@ -61,6 +62,7 @@ from lightning_memest.engine.step import (
     Precision,
     RunnerFactory,
     StepConfig,
+    StepRunner,
     autocast_dtype,
     plain_runner,
     true_dtype,
@@ -350,7 +352,10 @@ def _simulate(
                 # FSDP replaced the parameters by their shards: those are what this rank holds.
                 others = [(t, Role.OTHER, "") for t in [*residents, *companion_fakes]]
                 others += [(t, role, "") for t, role in kept]
-                tracker.settle_residents([*_residents(model, fake_batch), *others])
+                held = model
+                if isinstance(strategy, Pipeline) and isinstance(step, StepRunner):
+                    held = step.model  # a pipeline stage holds its part alone (the split left the rest)
+                tracker.settle_residents([*_residents(held, fake_batch), *others])
                 if on_meta and not isinstance(strategy, DDP):  # built on meta, sharded, then materialised
                     initialised_sharded(tracker.events, setup_start)
             current = fake_batch

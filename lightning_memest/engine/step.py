@@ -28,7 +28,8 @@ from torch import Tensor, nn
 
 from lightning_memest.constants import PRECISIONS, Precision
 from lightning_memest.engine.events import Phase
-from lightning_memest.engine.parallel.distributed import Strategy, wrap
+from lightning_memest.engine.parallel.distributed import Strategy, process_group, wrap
+from lightning_memest.engine.parallel.pipeline import Pipeline, PipelineRun
 from lightning_memest.options import check_strategy
 
 __all__ = [
@@ -188,7 +189,13 @@ class StepRunner:
         self.config = config
         self.listener = listener
         self.device_type = _device_type(model)
-        if config.strategy is not None:
+        self.pipeline: PipelineRun | None = None
+        if isinstance(config.strategy, Pipeline):
+            if config.precision == "16-mixed":
+                raise ValueError("Pipeline parallelism with 16-mixed (a GradScaler) is not simulated")
+            self.pipeline = PipelineRun(model, config.strategy, process_group(config.strategy))
+            model = self.pipeline.module  # this rank's stage: what it holds and its optimizer updates
+        elif config.strategy is not None:
             model = wrap(model, config.strategy, listener.on_communication if listener is not None else None)
         self.model = model
         params = [p for p in model.parameters() if p.requires_grad]
@@ -206,13 +213,18 @@ class StepRunner:
     def run(self, batch: Any) -> Tensor:
         """One step; returns the (detached) loss."""
         self._phase(Phase.FORWARD)
-        with autocast(self.device_type, self.config.precision):
-            loss = self.config.loss_fn(self.model, batch)
-        if not isinstance(loss, Tensor):
-            raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
-        self._phase(Phase.BACKWARD)
-        if loss.requires_grad:
-            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
+        if self.pipeline is not None:
+            # The schedule runs the microbatches' forwards and backwards, and their losses.
+            with autocast(self.device_type, self.config.precision):
+                loss = self.pipeline.step(batch, self._phase)
+        else:
+            with autocast(self.device_type, self.config.precision):
+                loss = self.config.loss_fn(self.model, batch)
+            if not isinstance(loss, Tensor):
+                raise TypeError(f"the loss function returned {type(loss).__name__}, not a tensor")
+            self._phase(Phase.BACKWARD)
+            if loss.requires_grad:
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()  # type: ignore[no-untyped-call]
         if self.listener is not None:
             self.listener.on_gradients([p.grad for p in self.model.parameters() if p.grad is not None])
         if self.optimizer is not None:

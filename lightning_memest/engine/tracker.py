@@ -14,6 +14,7 @@ policy, recorded as a ``DataDependent`` event; the policy reads the values the s
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -418,7 +419,10 @@ class Tracker:
         of a local holding the last reference) allocate. So the gradient added into must come from an
         earlier node's evaluation than the one running (``torch._C._current_autograd_node``, which is
         the same while its formula runs and while its outputs are summed into the buffers): a sum of
-        two gradients of one node (``x * x``) is then taken out of place, one tensor high, never low."""
+        two gradients of one node (``x * x``) is then taken out of place, one tensor high, never low.
+        Nor is a gradient summed into that other code still holds (``InputBuffer`` steals only a
+        tensor of use count 1): the output gradient a pipeline stage received and passed to backward
+        (``PipelineStage``'s receive buffer) is added to out of place, as on the real rank."""
         if kwargs or len(args) != 2 or args[0] is args[1] or torch.is_grad_enabled():
             return
         new = out.untyped_storage()
@@ -437,6 +441,10 @@ class Tracker:
             handle = self._handles.get(key)
             # No other tensor on its storage (the count includes the ``storage`` object here).
             if handle is None or torch._C._storage_Use_Count(key) != 2 or storage.nbytes() != new.nbytes():
+                continue
+            if sys.getrefcount(grad) - 1 > max(sys.getrefcount(a) for a in args if a is not grad):
+                # Held by Python beyond this call (less this loop's name): autograd steals only a
+                # gradient it alone holds -- a pipeline stage's received gradient stays the stage's.
                 continue
             if self._made_in.get(handle) == self._node_serial:
                 continue  # made by the node running: a sum of its formula (or of two of its gradients)

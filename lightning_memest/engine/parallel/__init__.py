@@ -4,5 +4,6 @@
 fake groups and :func:`~lightning_memest.engine.parallel.distributed.wrap`; ``arrived.py`` reads back
 a module that arrived parallelised (Lightning's ``ModelParallelStrategy``) as a strategy that redoes
 it; ``plans.py`` builds 2-D plans from parts (the CLI's ``--tp`` with ``--strategy fsdp``);
-``meta_init.py`` initialises a meta-device model as large jobs do (only the shards ever exist).
+``meta_init.py`` initialises a meta-device model as large jobs do (only the shards ever exist);
+``pipeline.py`` cuts a rank's pipeline stages and runs PyTorch's schedules on them.
 """

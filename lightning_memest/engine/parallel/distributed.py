@@ -42,6 +42,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from lightning_memest.constants import STRATEGIES
+from lightning_memest.engine.parallel.pipeline import Pipeline, works_hold_their_tensors
 from lightning_memest.errors import EstimationError
 from lightning_memest.options import check_count
 
@@ -53,9 +54,11 @@ __all__ = [
     "TP",
     "BufferListener",
     "ModelParallel",
+    "Pipeline",
     "Strategy",
     "fake_process_group",
     "fsdp_units",
+    "process_group",
     "shard_units",
     "unsharded_buffers",
     "untracked_sharding_propagation",
@@ -188,7 +191,7 @@ class ModelParallel:
 #: The mesh dimensions of :class:`ModelParallel`, named as Lightning's ``ModelParallelStrategy`` names them.
 MESH_DIMS = ("data_parallel", "tensor_parallel")
 
-Strategy = DDP | FSDP | TP | ModelParallel
+Strategy = DDP | FSDP | TP | ModelParallel | Pipeline
 
 
 def _check_ranks(world_size: int, rank: int) -> None:
@@ -242,6 +245,8 @@ def fake_process_group(strategy: Strategy) -> Iterator[None]:
         if isinstance(strategy, ModelParallel):
             for rank, ranks in strategy.groups():
                 groups.append(stack.enter_context(_registered_group(rank, ranks, FakeStore())))
+        if isinstance(strategy, Pipeline):
+            stack.enter_context(works_hold_their_tensors(tuple(groups)))
         token = _group.set(tuple(groups))
         _clear_sharding_caches()
         try:
@@ -342,13 +347,13 @@ def wrap(model: nn.Module, strategy: Strategy, on_buffers: BufferListener | None
     The process group is the fake one inside :func:`fake_process_group`, else the default (real) one.
     Under FSDP the model itself becomes the sharded module (``fully_shard`` works in place).
     """
-    dist = _dist()
-    groups = _group.get() or (dist.group.WORLD,)
-    group = groups[0]
-    if group is None:
+    if isinstance(strategy, Pipeline):
         raise EstimationError(
-            f"{type(strategy).__name__} needs a process group: call init_process_group first"
+            "Pipeline parallelism is simulated for training steps (estimate_step's loop='train'): its "
+            "schedule runs forward and backward together"
         )
+    groups = _groups(strategy)
+    group = groups[0]
     fake = any(isinstance(p, FakeTensor) for p in model.parameters())
     if isinstance(strategy, DDP):
         return _ddp(model, strategy, group, fake, on_buffers)
@@ -357,6 +362,21 @@ def wrap(model: nn.Module, strategy: Strategy, on_buffers: BufferListener | None
     if isinstance(strategy, ModelParallel):
         return _model_parallel(model, strategy, groups, on_buffers)
     return _fsdp(model, strategy, group, on_buffers)
+
+
+def process_group(strategy: Strategy) -> Any:
+    """The process group ``strategy`` runs over: the fake one inside :func:`fake_process_group`, else
+    the default (real) one."""
+    return _groups(strategy)[0]
+
+
+def _groups(strategy: Strategy) -> tuple[Any, ...]:
+    groups = _group.get() or (_dist().group.WORLD,)
+    if groups[0] is None:
+        raise EstimationError(
+            f"{type(strategy).__name__} needs a process group: call init_process_group first"
+        )
+    return groups
 
 
 def _tp(model: nn.Module, strategy: TP, group: Any) -> nn.Module:

@@ -1,0 +1,155 @@
+"""Per-rank estimates under pipeline parallelism: PyTorch's own ``PipelineStage`` and schedules on a
+fake process group, checked against real two-process CPU jobs (gloo) measured per rank with the
+profiler's allocator events (``tests/dist_worker.py``), and against what the schedules are defined to
+keep in flight.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_memest import EstimationError, Pipeline, estimate_step
+from tests import dist_worker
+from tests.models import lm_batch
+from tests.pipeline_models import PipeDecoder, split_decoder, token_loss
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
+
+#: The real jobs: the decoder's 4 layers on 2 ranks, 4 microbatches of 2 sequences; interleaved, two
+#: stages (a layer each) a rank.
+SCHEDULES = ("1F1B", "Interleaved1F1B")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def measured() -> Iterator[dict[str, dict[int, tuple[int, ...]]]]:
+    yield {name: dist_worker.run_ranks(dist_worker.pipeline(name), _free_port()) for name in SCHEDULES}
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_stage_matches_its_rank_of_a_real_two_process_pipeline(
+    measured: dict[str, dict[int, tuple[int, ...]]], schedule: str, rank: int
+) -> None:
+    # The first stage holds the activations of as many microbatches as 1F1B keeps in flight there,
+    # the activations it sent until the send's work is dropped, and adds the gradient it received out
+    # of place (the stage keeps that buffer); the last stage holds the head and the losses.
+    est = estimate_step(
+        dist_worker.build_pipe(),
+        dist_worker.pipe_batch(),
+        optimizer=dist_worker.optimizer,
+        strategy=dist_worker.pipeline(schedule, rank=rank),
+        calibrate=True,  # this machine's kernels: holds on any CPU
+    )
+    truth = measured[schedule][rank]
+    for e, m in zip(est.peaks, truth, strict=True):
+        assert abs(e.bytes - m) / m <= 0.01, (schedule, rank, [p.bytes for p in est.peaks], truth)
+
+
+def _stage_estimate(schedule: str, rank: int) -> object:
+    return estimate_step(
+        PipeDecoder(n_layers=4, d_model=128, n_heads=2, vocab=200, seq_len=64),
+        lm_batch(8, 64, vocab=200),
+        optimizer=torch.optim.SGD,
+        strategy=Pipeline(
+            2, split=split_decoder, microbatches=4, schedule=schedule, loss=token_loss, rank=rank
+        ),
+    )
+
+
+def test_gpipe_keeps_every_microbatch_in_flight_and_1f1b_as_many_as_the_stages() -> None:
+    # The first stage's saved activations at their height: GPipe runs all 4 forwards before any
+    # backward; 1F1B on 2 stages keeps 2 in flight. A layer's activations of one microbatch are the
+    # same under both, so GPipe's height is twice 1F1B's, within what the stage's ends add.
+    gpipe = _stage_estimate("GPipe", 0)
+    one_f_one_b = _stage_estimate("1F1B", 0)
+    g = max(p.breakdown.activations for p in gpipe.peaks)  # type: ignore[attr-defined]
+    f = max(p.breakdown.activations for p in one_f_one_b.peaks)  # type: ignore[attr-defined]
+    assert g == pytest.approx(2 * f, rel=0.15), (g, f)
+
+
+def test_the_model_is_left_whole_and_stages_hold_their_share() -> None:
+    model = PipeDecoder(n_layers=4, d_model=64, n_heads=2, vocab=100, seq_len=16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = lm_batch(4, 16, vocab=100)
+    params = {
+        rank: estimate_step(
+            model,
+            batch,
+            optimizer=torch.optim.SGD,
+            strategy=Pipeline(2, split=split_decoder, microbatches=2, loss=token_loss, rank=rank),
+        ).steady_state.breakdown.parameters
+        for rank in (0, 1)
+    }
+    assert sorted(model.layers) == ["0", "1", "2", "3"] and model.tok is not None and model.head is not None
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not torch.distributed.is_initialized()
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    assert params[0] + params[1] == whole  # each parameter on exactly one stage
+
+
+def test_a_pipeline_says_what_it_cannot_run() -> None:
+    model, batch = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), torch.randn(6, 8)
+
+    def halves(model: nn.Module, stage: int, stages: int) -> nn.Module:
+        return model[stage : stage + 1]
+
+    with pytest.raises(EstimationError, match="a batch of 6 does not cut into 4 equal microbatches"):
+        estimate_step(model, batch, strategy=Pipeline(2, split=halves, microbatches=4))
+    with pytest.raises(EstimationError, match=r"the batch is \(inputs, target\)"):
+        estimate_step(model, batch, strategy=Pipeline(2, split=halves, microbatches=2, loss=token_loss))
+    with pytest.raises(EstimationError, match="simulated for training steps"):
+        estimate_step(model, batch, strategy=Pipeline(2, split=halves, microbatches=2), loop="validate")
+    with pytest.raises(EstimationError, match="split failed for stage 1 of 2: IndexError"):
+        estimate_step(
+            model, batch, strategy=Pipeline(2, split=lambda m, s, n: [m][s], microbatches=2, rank=1)
+        )
+    with pytest.raises(ValueError, match="Interleaved1F1B runs several stages a rank"):
+        Pipeline(2, split=halves, microbatches=2, schedule="Interleaved1F1B")
+    with pytest.raises(ValueError, match="schedule must be one of GPipe, 1F1B, Interleaved1F1B"):
+        Pipeline(2, split=halves, microbatches=2, schedule="ZeroBubble")
+
+
+def test_memest_estimate_pp_reports_every_rank_and_the_worst_as_measured(
+    measured: dict[str, dict[int, tuple[int, ...]]],
+) -> None:
+    # The CLI in a subprocess, as a user runs it: each pipeline rank estimated, the worst reported,
+    # and that figure is the real job's worst rank's peak.
+    import json
+
+    from tests.test_cli import assert_usage_error, memest
+
+    args = ["estimate", "tests.pipeline_models:PipeDecoder", "--batch-size", "8", "--tokens", "128"]
+    args += ["--vocab", "1000", "--optimizer", "adamw", "--calibrate"]
+    pp = ["--pp", "2", "--pp-split", "tests.pipeline_models:split_decoder", "--microbatches", "4"]
+    proc = memest(*args, *pp, "--json", cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    ranks = {r["rank"]: r["peak_bytes"] for r in data["pipeline"]["ranks"]}
+    worst = max(ranks, key=ranks.__getitem__)
+    real = {rank: max(peaks) for rank, peaks in measured["1F1B"].items()}
+    assert data["pipeline"]["worst_rank"] == worst == max(real, key=real.__getitem__)
+    assert abs(ranks[worst] - real[worst]) <= 0.01 * real[worst], (ranks, real)
+    assert data["peak_bytes"]["steady_state"] == ranks[worst]
+    text = memest(*args, *pp, cwd=ROOT).stdout
+    assert f"the worst, rank {worst}, is reported below" in text and "pipeline on 2 ranks (1F1B" in text
+    for wrong, said in [
+        (["--pp", "2"], "--pp N needs --pp-split"),
+        ([*pp, "--strategy", "fsdp", "--world-size", "2"], "--pp goes alone"),
+        (["--microbatches", "4"], "--microbatches goes with --pp N"),
+        ([*pp[:4], "--microbatches", "3"], "does not cut into 3 equal microbatches"),
+    ]:
+        assert_usage_error(memest(*args, *wrong, cwd=ROOT), said)
