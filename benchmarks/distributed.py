@@ -14,6 +14,8 @@ and a 7B answer's speed.
 2. The same job with its blocks compiled (``block.compile()``), measured and estimated per rank.
 3. A 7B decoder (32 layers, d_model 4096, sequence 2048) built on the meta device: FSDP2 on 8 GPUs
    (bf16 parameters, fp32 reduction, AdamW), rank 0, as a CUDA what-if on this CPU-only machine.
+4. A 405B-shaped decoder on 512 GPUs, pipeline 8 x FSDP2 8 x tensor parallel 8: one rank per stage,
+   each a CUDA what-if, and how long each takes.
 
 Run: ``python benchmarks/distributed.py`` (a few minutes on 2 cores).
 """
@@ -161,6 +163,71 @@ def seven_b() -> None:
     print("  at the steady-state peak: " + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in b.items() if v))
 
 
+def _llama_405b_plan(stage: torch.nn.Module, mesh: Any) -> None:
+    """A stage of the 405B job as torchtitan parallelises one: each layer's MLP colwise then rowwise
+    over the tensor-parallel ranks (the decoder's fused attention projection stays whole), each layer
+    checkpointed whole, then FSDP2 (bf16 parameters, fp32 reduction) on each layer and the stage over
+    the data-parallel ranks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    layers = stage.layers  # type: ignore[union-attr]
+    styles: dict[str, Any] = {}
+    for name in layers:
+        styles[f"layers.{name}.mlp.0"] = ColwiseParallel()
+        styles[f"layers.{name}.mlp.2"] = RowwiseParallel()
+    parallelize_module(stage, mesh["tensor_parallel"], styles)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for name in list(layers):
+        layers[name] = checkpoint_wrapper(layers[name])
+        fully_shard(layers[name], mesh=mesh["data_parallel"], mp_policy=policy)
+    fully_shard(stage, mesh=mesh["data_parallel"], mp_policy=policy)
+
+
+def pipeline_405b() -> None:
+    """A 405B-shaped decoder (126 layers, d_model 16384, 128 heads, vocabulary 128256, sequence 8192)
+    built on meta, on 512 GPUs: pipeline 8 (1F1B, 8 microbatches of 1 sequence) x FSDP2 8 x tensor
+    parallel 8, AdamW; one rank per stage, as CUDA what-ifs on this CPU-only machine."""
+    from tests.pipeline_models import PipeDecoder, split_decoder, token_loss
+
+    with torch.device("meta"):
+        model = PipeDecoder(n_layers=126, d_model=16384, n_heads=128, vocab=128256, seq_len=8192)
+    tokens = torch.randint(0, 128256, (8, 8192), device="meta")
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"\n405B shape ({params / 1e9:.0f} B parameters), pipeline 8 x FSDP2 8 x TP 8 on 512 GPUs "
+        "(1F1B, 8 microbatches, layers checkpointed, bf16 parameters / fp32 reduce, AdamW):"
+    )
+    print("\n| stage | rank | layers | steady-state peak | reserved | answered in |")
+    print("|---|---|---|---|---|---|")
+    total = 0.0
+    for stage in range(8):
+        strategy = Pipeline(
+            8,
+            split=split_decoder,
+            microbatches=8,
+            loss=token_loss,
+            rank=stage * 64,
+            data_parallel=8,
+            tensor_parallel=8,
+            plan=_llama_405b_plan,
+        )
+        start = time.perf_counter()
+        est = estimate_step(
+            model, (tokens, tokens), optimizer=torch.optim.AdamW, device="cuda", strategy=strategy
+        )
+        seconds = time.perf_counter() - start
+        total += seconds
+        reserved = est.reserved_bytes[-1] if est.reserved_bytes is not None else 0
+        first, end = 126 * stage // 8, 126 * (stage + 1) // 8
+        print(
+            f"| {stage} | {stage * 64} | {first}-{end - 1} | {est.steady_state.bytes / 2**30:.2f} GiB "
+            f"| {reserved / 2**30:.2f} GiB | {seconds:.1f} s |"
+        )
+    print(f"\nall 8 stages in {total:.0f} s")
+
+
 if __name__ == "__main__":
     argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -168,3 +235,4 @@ if __name__ == "__main__":
     accuracy()
     compiled_blocks()
     seven_b()
+    pipeline_405b()

@@ -50,9 +50,10 @@ def pipe_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return lm_batch(BATCH)
 
 
-def pipeline(schedule: str = "1F1B", rank: int = 0, stages: int = 2) -> Pipeline:
+def pipeline(schedule: str = "1F1B", rank: int = 0, stages: int = 2, data_parallel: int = 1) -> Pipeline:
     """The decoder on ``stages`` ranks, 4 microbatches of 2 sequences, next-token loss; interleaved,
-    two stages a rank (a layer each)."""
+    two stages a rank (a layer each); with ``data_parallel``, each stage sharded over that many ranks
+    (:func:`pipe_fsdp_plan`)."""
     per_rank = 2 if schedule == "Interleaved1F1B" else 1
     return Pipeline(
         stages,
@@ -62,7 +63,19 @@ def pipeline(schedule: str = "1F1B", rank: int = 0, stages: int = 2) -> Pipeline
         loss=token_loss,
         rank=rank,
         stages_per_rank=per_rank,
+        data_parallel=data_parallel,
+        plan=pipe_fsdp_plan if data_parallel > 1 else None,
     )
+
+
+def pipe_fsdp_plan(stage: torch.nn.Module, mesh: Any) -> None:
+    """A pipeline stage sharded as torchtitan shards one: each layer, then the stage, ``fully_shard``
+    over the mesh's data-parallel dimension."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in stage.layers.values():  # type: ignore[union-attr, operator]
+        fully_shard(layer, mesh=mesh["data_parallel"])
+    fully_shard(stage, mesh=mesh["data_parallel"])
 
 
 def tp_plan(model: torch.nn.Module, mesh: Any) -> None:

@@ -44,11 +44,12 @@ class PipeDecoder(nn.Module):
 
 
 def split_decoder(model: PipeDecoder, stage: int, stages: int) -> PipeDecoder:
-    """Stage ``stage`` of ``stages``: an equal share of the layers; the embeddings on the first stage,
-    the norm and head on the last; the rest deleted."""
-    per = len(model.layers) // stages
+    """Stage ``stage`` of ``stages``: its share of the layers (``n * stage // stages`` up to the next
+    stage's first); the embeddings on the first stage, the norm and head on the last; the rest deleted."""
+    n = len(model.layers)
+    first, end = n * stage // stages, n * (stage + 1) // stages
     for name in list(model.layers):
-        if not stage * per <= int(name) < (stage + 1) * per:
+        if not first <= int(name) < end:
             del model.layers[name]
     if stage > 0:
         model.tok = model.pos = None

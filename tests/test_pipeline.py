@@ -6,6 +6,7 @@ keep in flight.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,8 +25,12 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 
 #: The real jobs: the decoder's 4 layers on 2 ranks, 4 microbatches of 2 sequences; interleaved, two
-#: stages (a layer each) a rank.
-SCHEDULES = ("1F1B", "Interleaved1F1B")
+#: stages (a layer each) a rank; and 1F1B with each stage sharded over 2 ranks (FSDP2: 4 processes).
+JOBS = {
+    "1F1B": dist_worker.pipeline("1F1B"),
+    "Interleaved1F1B": dist_worker.pipeline("Interleaved1F1B"),
+    "1F1B x FSDP": dist_worker.pipeline("1F1B", data_parallel=2),
+}
 
 
 def _free_port() -> int:
@@ -36,27 +41,73 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def measured() -> Iterator[dict[str, dict[int, tuple[int, ...]]]]:
-    yield {name: dist_worker.run_ranks(dist_worker.pipeline(name), _free_port()) for name in SCHEDULES}
+    yield {name: dist_worker.run_ranks(job, _free_port()) for name, job in JOBS.items()}
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_each_stage_matches_its_rank_of_a_real_two_process_pipeline(
-    measured: dict[str, dict[int, tuple[int, ...]]], schedule: str, rank: int
+@pytest.mark.parametrize(
+    ("job", "rank"),
+    [
+        ("1F1B", 0),
+        ("1F1B", 1),
+        ("Interleaved1F1B", 0),
+        ("Interleaved1F1B", 1),
+        ("1F1B x FSDP", 1),
+        ("1F1B x FSDP", 2),
+    ],
+)
+def test_each_stage_matches_its_rank_of_a_real_pipeline(
+    measured: dict[str, dict[int, tuple[int, ...]]], job: str, rank: int
 ) -> None:
     # The first stage holds the activations of as many microbatches as 1F1B keeps in flight there,
     # the activations it sent until the send's work is dropped, and adds the gradient it received out
-    # of place (the stage keeps that buffer); the last stage holds the head and the losses.
+    # of place (the stage keeps that buffer); the last stage holds the head and the losses. Sharded,
+    # a stage's rank holds its shards and gathers each layer's weights around its use.
     est = estimate_step(
         dist_worker.build_pipe(),
         dist_worker.pipe_batch(),
         optimizer=dist_worker.optimizer,
-        strategy=dist_worker.pipeline(schedule, rank=rank),
+        strategy=dataclasses.replace(JOBS[job], rank=rank),
         calibrate=True,  # this machine's kernels: holds on any CPU
     )
-    truth = measured[schedule][rank]
+    truth = measured[job][rank]
     for e, m in zip(est.peaks, truth, strict=True):
-        assert abs(e.bytes - m) / m <= 0.01, (schedule, rank, [p.bytes for p in est.peaks], truth)
+        assert abs(e.bytes - m) / m <= 0.01, (job, rank, [p.bytes for p in est.peaks], truth)
+
+
+def test_stages_sharded_on_a_3d_mesh_from_meta_hold_their_share_of_the_weights() -> None:
+    # Pipeline x FSDP2 x tensor parallelism (2 x 2 x 2, torchtitan's layout): each stage's MLPs split
+    # by columns then rows over the tensor-parallel ranks, its layers and itself sharded over the
+    # data-parallel ones; built on meta (only the shards ever exist), simulated as a CUDA what-if.
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def plan(stage: nn.Module, mesh: object) -> None:
+        styles = {}
+        for name in stage.layers:  # type: ignore[union-attr]
+            styles[f"layers.{name}.mlp.0"] = ColwiseParallel()
+            styles[f"layers.{name}.mlp.2"] = RowwiseParallel()
+        parallelize_module(stage, mesh["tensor_parallel"], styles)  # type: ignore[index]
+        for layer in stage.layers.values():  # type: ignore[union-attr, operator]
+            fully_shard(layer, mesh=mesh["data_parallel"])  # type: ignore[index]
+        fully_shard(stage, mesh=mesh["data_parallel"])  # type: ignore[index]
+
+    d = 64
+    with torch.device("meta"):
+        model = PipeDecoder(n_layers=4, d_model=d, n_heads=2, vocab=128, seq_len=32)
+    batch = (torch.randint(0, 128, (4, 32)), torch.randint(0, 128, (4, 32)))
+    for rank, stage in ((0, 0), (7, 1)):  # a rank of each stage
+        strategy = Pipeline(
+            2, split=split_decoder, microbatches=2, loss=token_loss, rank=rank,
+            data_parallel=2, tensor_parallel=2, plan=plan,
+        )  # fmt: skip
+        est = estimate_step(model, batch, optimizer=torch.optim.AdamW, device="cuda", strategy=strategy)
+        held = split_decoder(PipeDecoder(n_layers=4, d_model=d, n_heads=2, vocab=128, seq_len=32), stage, 2)
+        # Split over both dimensions: the colwise weight and bias, the rowwise weight; the rowwise
+        # bias is replicated over the tensor-parallel ranks, so it is sharded over FSDP's alone.
+        named = held.named_parameters()
+        split = sum(p.numel() for n, p in named if ".mlp." in n and not n.endswith("mlp.2.bias"))
+        rest = sum(p.numel() for p in held.parameters()) - split
+        assert est.steady_state.breakdown.parameters == 4 * (split // 4 + rest // 2), rank
 
 
 def _stage_estimate(schedule: str, rank: int) -> object:

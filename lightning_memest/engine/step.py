@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from lightning_memest.constants import PRECISIONS, Precision
 from lightning_memest.engine.events import Phase
-from lightning_memest.engine.parallel.distributed import Strategy, process_group, wrap
+from lightning_memest.engine.parallel.distributed import Strategy, pipeline_parts, wrap
 from lightning_memest.engine.parallel.pipeline import Pipeline, PipelineRun
 from lightning_memest.options import check_strategy
 
@@ -193,7 +193,9 @@ class StepRunner:
         if isinstance(config.strategy, Pipeline):
             if config.precision == "16-mixed":
                 raise ValueError("Pipeline parallelism with 16-mixed (a GradScaler) is not simulated")
-            self.pipeline = PipelineRun(model, config.strategy, process_group(config.strategy))
+            on_buffers = listener.on_communication if listener is not None else None
+            group, parallelize = pipeline_parts(model, config.strategy, on_buffers)
+            self.pipeline = PipelineRun(model, config.strategy, group, parallelize)
             model = self.pipeline.module  # this rank's stage: what it holds and its optimizer updates
         elif config.strategy is not None:
             model = wrap(model, config.strategy, listener.on_communication if listener is not None else None)

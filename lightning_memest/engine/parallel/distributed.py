@@ -36,13 +36,14 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from lightning_memest.constants import STRATEGIES
-from lightning_memest.engine.parallel.pipeline import Pipeline, works_hold_their_tensors
+from lightning_memest.engine.parallel.pipeline import PIPELINE_MESH_DIMS, Pipeline, works_hold_their_tensors
 from lightning_memest.errors import EstimationError
 from lightning_memest.options import check_count
 
@@ -58,7 +59,7 @@ __all__ = [
     "Strategy",
     "fake_process_group",
     "fsdp_units",
-    "process_group",
+    "pipeline_parts",
     "shard_units",
     "unsharded_buffers",
     "untracked_sharding_propagation",
@@ -242,11 +243,12 @@ def fake_process_group(strategy: Strategy) -> Iterator[None]:
                     "process group"
                 )
             groups = [stack.enter_context(_registered_group(strategy.rank, world, FakeStore()))]
-        if isinstance(strategy, ModelParallel):
+        if isinstance(strategy, ModelParallel) or (isinstance(strategy, Pipeline) and strategy.plan):
             for rank, ranks in strategy.groups():
                 groups.append(stack.enter_context(_registered_group(rank, ranks, FakeStore())))
         if isinstance(strategy, Pipeline):
             stack.enter_context(works_hold_their_tensors(tuple(groups)))
+        stack.enter_context(_real_meshes())
         token = _group.set(tuple(groups))
         _clear_sharding_caches()
         try:
@@ -254,6 +256,35 @@ def fake_process_group(strategy: Strategy) -> Iterator[None]:
         finally:
             _group.reset(token)
             _clear_sharding_caches()
+
+
+@contextlib.contextmanager
+def _real_meshes() -> Iterator[None]:
+    """Device meshes made inside the simulation (a plan's ``mesh["data_parallel"]``, FSDP2's
+    concatenation of its mesh with a parameter's tensor-parallel one) are made on real tensors of
+    ranks: under the fake mode a new mesh's tensor would be fake, its ranks unknown, and finding this
+    rank in it (``(mesh == rank).nonzero()``) reads values."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # no device meshes in this build
+        yield
+        return
+    names = [n for n in ("__init__", "__getitem__", "_flatten", "_unflatten") if n in vars(DeviceMesh)]
+    originals = {n: vars(DeviceMesh)[n] for n in [*names, "_concatenate"] if n in vars(DeviceMesh)}
+
+    def real(method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with unset_fake_temporarily():
+                return method(*args, **kwargs)
+
+        return call
+
+    with contextlib.ExitStack() as stack:
+        for name, original in originals.items():
+            static = isinstance(original, staticmethod)
+            made = staticmethod(real(original.__func__)) if static else real(original)
+            stack.enter_context(mock.patch.object(DeviceMesh, name, made))
+        yield
 
 
 def _clear_sharding_caches() -> None:
@@ -364,10 +395,36 @@ def wrap(model: nn.Module, strategy: Strategy, on_buffers: BufferListener | None
     return _fsdp(model, strategy, group, on_buffers)
 
 
-def process_group(strategy: Strategy) -> Any:
-    """The process group ``strategy`` runs over: the fake one inside :func:`fake_process_group`, else
-    the default (real) one."""
-    return _groups(strategy)[0]
+def pipeline_parts(
+    model: nn.Module, strategy: Pipeline, on_buffers: BufferListener | None
+) -> tuple[Any, Callable[[nn.Module], None] | None]:
+    """The pipeline's process group for ``strategy`` (the fake one inside :func:`fake_process_group`,
+    else the default one), and with a ``plan`` what parallelises each stage: the plan on the job's
+    3-D mesh's data- and tensor-parallel dimensions, its FSDP units tagging their gathered weights."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    groups = _groups(strategy)
+    plan = strategy.plan
+    if plan is None:
+        return groups[0], None
+    device_type = _device_type(model)
+    shape = (strategy.stages, strategy.data_parallel, strategy.tensor_parallel)
+    with unset_fake_temporarily():  # the mesh is a small real tensor of ranks, sliced by value
+        if len(groups) == 1:  # a real job (a measured run): the mesh as torchtitan builds it
+            mesh = init_device_mesh(device_type, shape, mesh_dim_names=PIPELINE_MESH_DIMS)
+        else:
+            layout = torch.arange(strategy.world_size).view(shape)
+            mesh = DeviceMesh.from_group(
+                list(groups[1:]), device_type, mesh=layout, mesh_dim_names=PIPELINE_MESH_DIMS
+            )
+        inner, group = mesh[MESH_DIMS], mesh["pipeline"].get_group()
+
+    def parallelize(stage: nn.Module) -> None:
+        plan(stage, inner)
+        _tag_gathered([m for m in stage.modules() if isinstance(m, FSDPModule)], on_buffers)
+
+    return group, parallelize
 
 
 def _groups(strategy: Strategy) -> tuple[Any, ...]:

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import Tensor, nn
@@ -47,11 +47,23 @@ from lightning_memest.engine.events import Phase
 from lightning_memest.errors import EstimationError
 from lightning_memest.options import check_count
 
-__all__ = ["SCHEDULES", "Pipeline", "PipelineRun", "Split", "StageLoss", "works_hold_their_tensors"]
+__all__ = [
+    "PIPELINE_MESH_DIMS",
+    "SCHEDULES",
+    "Pipeline",
+    "PipelineRun",
+    "Split",
+    "StageLoss",
+    "stages_of",
+    "works_hold_their_tensors",
+]
 
 #: The schedules a :class:`Pipeline` runs, by the names of ``torch.distributed.pipelining``'s classes
 #: (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``).
 SCHEDULES = PIPELINE_SCHEDULES
+
+#: The device mesh of a :class:`Pipeline` with ``plan``: its ``plan`` is given the last two dimensions.
+PIPELINE_MESH_DIMS = ("pipeline", "data_parallel", "tensor_parallel")
 
 #: ``split(model, stage, stages)``: the module stage ``stage`` of ``stages`` runs, made from ``model``
 #: (pruned in place and ``None`` or the model returned, or a part of it returned).
@@ -72,6 +84,11 @@ class Pipeline:
     schedule's ``loss_fn``). Without one, the batch is the inputs and the loss the sum of the last
     stage's output. Every rank holds the whole batch, as torchtitan's loaders hand it to every rank.
 
+    With ``data_parallel`` or ``tensor_parallel`` above 1, the job is a 3-D mesh
+    (:data:`PIPELINE_MESH_DIMS`, pipeline outermost, as torchtitan lays it out) and ``plan(stage,
+    mesh)`` parallelises each stage's module on its ``("data_parallel", "tensor_parallel")`` sub-mesh
+    -- the same plan :class:`~lightning_memest.engine.parallel.distributed.ModelParallel` takes.
+
     >>> Pipeline(4, split=lambda model, stage, stages: None, microbatches=8, rank=3).world_size
     4
     """
@@ -83,14 +100,26 @@ class Pipeline:
     loss: StageLoss | None = None
     rank: int = 0
     stages_per_rank: int = 1
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    plan: Callable[[nn.Module, Any], Any] | None = None
 
     def __post_init__(self) -> None:
         check_count("stages", self.stages)
         check_count("microbatches", self.microbatches)
         check_count("stages_per_rank", self.stages_per_rank)
+        check_count("data_parallel", self.data_parallel)
+        check_count("tensor_parallel", self.tensor_parallel)
         check_count("rank", self.rank, minimum=0)
-        if not 0 <= self.rank < self.stages:
-            raise ValueError(f"rank must be in [0, {self.stages}); got {self.rank}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}); got {self.rank}")
+        if self.plan is not None and not callable(self.plan):
+            raise TypeError(f"Pipeline(plan=...) must be callable as plan(stage, mesh); got {self.plan!r}")
+        if (self.plan is None) != (self.data_parallel * self.tensor_parallel == 1):
+            raise ValueError(
+                "Pipeline(plan=...) parallelises each stage over data_parallel x tensor_parallel ranks: "
+                "give it with either above 1, and only then"
+            )
         if not callable(self.split):
             raise TypeError(
                 f"Pipeline(split=...) must be callable as split(model, stage, stages); got {self.split!r}"
@@ -107,35 +136,64 @@ class Pipeline:
 
     @property
     def world_size(self) -> int:
-        """The ranks of the pipeline: one per stage (``stages_per_rank`` stages each when interleaved)."""
-        return self.stages
+        """The ranks of the job: ``stages`` x ``data_parallel`` x ``tensor_parallel``."""
+        return self.stages * self.data_parallel * self.tensor_parallel
 
     @property
     def stage_indices(self) -> tuple[int, ...]:
         """The stages this rank runs, in order (PyTorch's loop-style placement)."""
-        return tuple(self.rank + k * self.stages for k in range(self.stages_per_rank))
+        return stages_of(self, self.groups()[0][0])
+
+    def groups(self) -> tuple[tuple[int, list[int]], tuple[int, list[int]], tuple[int, list[int]]]:
+        """This rank's place in its pipeline, data-parallel and tensor-parallel groups: (its rank in the
+        group, the group's global ranks) for each, in torchtitan's row-major layout (pipeline
+        outermost: rank = stage x data_parallel x tensor_parallel + data index x tensor_parallel +
+        tensor index)."""
+        inner = self.data_parallel * self.tensor_parallel
+        stage, rest = divmod(self.rank, inner)
+        data, tensor = divmod(rest, self.tensor_parallel)
+        pipeline = [p * inner + rest for p in range(self.stages)]
+        data_ranks = [stage * inner + d * self.tensor_parallel + tensor for d in range(self.data_parallel)]
+        tensor_ranks = [stage * inner + data * self.tensor_parallel + t for t in range(self.tensor_parallel)]
+        return (stage, pipeline), (data, data_ranks), (tensor, tensor_ranks)
 
     @property
     def total_stages(self) -> int:
         return self.stages * self.stages_per_rank
 
 
-class PipelineRun:
-    """This rank's stages of ``strategy`` cut from ``model`` (in place where ``split`` prunes), their
-    ``PipelineStage``s and schedule over ``group``, built at the first step (the stages' shapes come
-    from its batch). ``module`` is what this rank holds: its stage's module (a ``ModuleList`` of its
-    stages' modules when interleaved)."""
+def stages_of(strategy: Pipeline, index: int) -> tuple[int, ...]:
+    """The stages the ranks of pipeline index ``index`` run, in order (loop-style: ``index``,
+    ``index + stages``, ...)."""
+    return tuple(index + k * strategy.stages for k in range(strategy.stages_per_rank))
 
-    def __init__(self, model: nn.Module, strategy: Pipeline, group: Any) -> None:
-        # A real job's rank is its place in the group (a fake group's is the strategy's).
-        self.strategy = dataclasses.replace(strategy, rank=group.rank())
+
+class PipelineRun:
+    """This rank's stages of ``strategy`` cut from ``model`` (in place where ``split`` prunes), each
+    parallelised by ``parallelize`` (the strategy's ``plan`` on its data- and tensor-parallel mesh),
+    their ``PipelineStage``s and schedule over the pipeline ``group``, built at the first step (the
+    stages' shapes come from its batch). ``module`` is what this rank holds: its stage's module (a
+    ``ModuleList`` of its stages' modules when interleaved)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        strategy: Pipeline,
+        group: Any,
+        parallelize: Callable[[nn.Module], None] | None = None,
+    ) -> None:
+        self.strategy = strategy
         self._group = group
         self._template = _meta_copy(model)  # before split prunes it: every stage's shapes come from it
-        indices = self.strategy.stage_indices
+        # This rank's place in the pipeline group (a real job's, or the fake group's: the strategy's).
+        self.indices = indices = stages_of(strategy, group.rank())
         # Several stages a rank: each is cut from a copy of its own, as torchtitan's split copies the
         # model per stage (a split that prunes in place would cut the second from the first's rest).
         models = [model] if len(indices) == 1 else [_copied(model, _cloned) for _ in indices]
         modules = [self._cut(m, i) for m, i in zip(models, indices, strict=True)]
+        if parallelize is not None:
+            for module in modules:
+                parallelize(module)
         self.module: nn.Module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
         self._modules = modules
         self._schedule: Any = None
@@ -159,11 +217,11 @@ class PipelineRun:
 
     @property
     def is_last(self) -> bool:
-        return self.strategy.total_stages - 1 in self.strategy.stage_indices
+        return self.strategy.total_stages - 1 in self.indices
 
     @property
     def is_first(self) -> bool:
-        return 0 in self.strategy.stage_indices
+        return 0 in self.indices
 
     def step(self, batch: Any, on_phase: Callable[[Phase], None]) -> Tensor:
         """One training step's forward and backward of every microbatch, by the schedule; the mean
@@ -204,7 +262,7 @@ class PipelineRun:
         strategy = self.strategy
         shapes = self._shapes(inputs)
         device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
-        for index, module in zip(strategy.stage_indices, self._modules, strict=True):
+        for index, module in zip(self.indices, self._modules, strict=True):
             args, outputs = shapes[index]
             stage = PipelineStage(
                 module,
@@ -243,7 +301,7 @@ class PipelineRun:
             chunks, _ = split_args_kwargs_into_chunks(whole, {}, strategy.microbatches)
             x: tuple[Any, ...] = tuple(chunks[0])
             shapes = {}
-            for index in range(max(strategy.stage_indices) + 1):
+            for index in range(max(self.indices) + 1):
                 copied = copy.deepcopy(self._template)
                 module = strategy.split(copied, index, strategy.total_stages) or copied
                 try:
@@ -336,13 +394,11 @@ def works_hold_their_tensors(groups: tuple[Any, ...]) -> Iterator[None]:
 
         return call
 
-    for name in originals:
-        setattr(ProcessGroup, name, holding(name))
-    try:
+    with (
+        mock.patch.object(ProcessGroup, "send", holding("send")),
+        mock.patch.object(ProcessGroup, "recv", holding("recv")),
+    ):
         yield
-    finally:
-        for name, original in originals.items():
-            setattr(ProcessGroup, name, original)
 
 
 class _HeldWork:
