@@ -60,10 +60,11 @@ def estimate_step(
             CUDA's optimizer defaults and is accounted through the CUDA caching allocator model
             (``StepEstimate.approximate`` is then true).
         steps: steps to simulate, an int of at least 1 (2: the first step and the steady state).
-        strategy: data parallelism, ``DDP(world_size)`` or ``FSDP(world_size)`` from
-            ``lightning_memest``: the step runs as rank 0 of it, with PyTorch's own DDP / FSDP2 code on
-            a fake process group, and every figure is one rank's. ``loss_fn`` then gets the DDP wrapper
-            (under FSDP the model itself, sharded).
+        strategy: a parallel job from ``lightning_memest``: ``DDP(world_size)``, ``FSDP(world_size)``,
+            ``TP``, ``ModelParallel`` or ``Pipeline``: the step runs as its ``rank`` (0 by default),
+            with PyTorch's own DDP / FSDP2 / DTensor / pipelining code on a fake process group, and
+            every figure is one rank's. ``loss_fn`` then gets the DDP wrapper (under FSDP the model
+            itself, sharded); a ``Pipeline``'s schedule computes its own loss (its ``loss``).
         gpu: for ``device="cuda"``, the GPU (``CudaDevice``: its compute capability picks cuBLAS's
             workspace size, its context is reported apart); default: this machine's GPU, else an
             unknown one (PyTorch's pre-Hopper defaults, an assumed context).
