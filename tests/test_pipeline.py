@@ -192,14 +192,26 @@ def test_memest_estimate_pp_reports_every_rank_and_the_worst_as_measured(
     ranks = {r["rank"]: r["peak_bytes"] for r in data["pipeline"]["ranks"]}
     worst = max(ranks, key=ranks.__getitem__)
     real = {rank: max(peaks) for rank, peaks in measured["1F1B"].items()}
-    assert data["pipeline"]["worst_rank"] == worst == max(real, key=real.__getitem__)
+    assert data["pipeline"]["worst_rank"] == worst and real[worst] == max(real.values())
     assert abs(ranks[worst] - real[worst]) <= 0.01 * real[worst], (ranks, real)
     assert data["peak_bytes"]["steady_state"] == ranks[worst]
     text = memest(*args, *pp, cwd=ROOT).stdout
     assert f"the worst, rank {worst}, is reported below" in text and "pipeline on 2 ranks (1F1B" in text
+    # Each stage sharded over 2 ranks (4 in all): a rank of each stage, the worst as the real job's.
+    sharded = ["--strategy", "fsdp", "--world-size", "4", "--fsdp-units", "Block", "--json"]
+    proc = memest(*args, *pp, *sharded, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    ranks = {r["rank"]: r["peak_bytes"] for r in data["pipeline"]["ranks"]}
+    real = {rank: max(peaks) for rank, peaks in measured["1F1B x FSDP"].items()}
+    # (the ranks of a stage hold the same: the real job's worst is the worst stage's)
+    assert sorted(ranks) == [0, 2] and real[data["pipeline"]["worst_rank"]] == max(real.values())
+    for rank, peak in ranks.items():
+        assert abs(peak - real[rank]) <= 0.01 * real[rank], (ranks, real)
     for wrong, said in [
         (["--pp", "2"], "--pp N needs --pp-split"),
-        ([*pp, "--strategy", "fsdp", "--world-size", "2"], "--pp goes alone"),
+        ([*pp, "--strategy", "ddp", "--world-size", "2"], "not with --strategy ddp"),
+        ([*pp, "--strategy", "fsdp", "--world-size", "3"], "not a multiple of --pp 2 x --tp 1"),
         (["--microbatches", "4"], "--microbatches goes with --pp N"),
         ([*pp[:4], "--microbatches", "3"], "does not cut into 3 equal microbatches"),
     ]:

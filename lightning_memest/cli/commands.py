@@ -53,13 +53,18 @@ def _estimate(settings: Settings, out: TextIO) -> None:
         # A pipeline's stages differ (the first keeps the most microbatches in flight, the last holds
         # the head): each rank is estimated, and the worst is the estimate.
         staged = isinstance(settings.strategy, Pipeline)
-        ranks = range(settings.strategy.stages) if isinstance(settings.strategy, Pipeline) else [None]
+        ranks: Sequence[int | None] = [None]
+        if isinstance(settings.strategy, Pipeline):  # a rank of each stage (its first)
+            inner = settings.strategy.data_parallel * settings.strategy.tensor_parallel
+            ranks = [stage * inner for stage in range(settings.strategy.stages)]
         stages: list[tuple[int, StepEstimate]] = []
         for rank in ranks:
             strategy = settings.strategy
             if rank is not None and isinstance(strategy, Pipeline):
                 strategy = dataclasses.replace(strategy, rank=rank)
-                progress.update(f"estimating {args.model}: pipeline rank {rank + 1} of {len(ranks)}")
+                progress.update(
+                    f"estimating {args.model}: pipeline rank {rank}, stage {len(stages) + 1} of {len(ranks)}"
+                )
             else:
                 progress.update(f"estimating {args.model}: simulating {_what(args.loop)} on fake tensors")
             est = estimate_case(

@@ -80,6 +80,10 @@ class Settings:
             if getattr(args, "pp", None) is not None:
                 microbatches = getattr(self.strategy, "microbatches", None)
                 text += f", pipeline on {args.pp} ranks ({args.pp_schedule}, {microbatches} microbatches)"
+                if args.strategy is not None or tp is not None:
+                    data = getattr(self.strategy, "data_parallel", 1)
+                    text += f" x {args.strategy or 'data parallel'} {data} x tensor parallel {tp or 1}"
+                    text += f" on {self.strategy.world_size} ranks"
             elif args.strategy is None:
                 text += f", tensor parallel on {tp} ranks, per rank"
             elif tp is not None:
@@ -183,9 +187,6 @@ _STRATEGY_FLAGS = {
 
 
 def _strategy(args: argparse.Namespace) -> Strategy | None:
-    pipeline = _pipeline(args)
-    if pipeline is not None:
-        return pipeline
     chosen = getattr(args, "strategy", None)
     for strategy, flags in _STRATEGY_FLAGS.items():
         for dest, flag in flags:
@@ -194,6 +195,9 @@ def _strategy(args: argparse.Namespace) -> Strategy | None:
     tp, plan = getattr(args, "tp", None), getattr(args, "tp_plan", None)
     if (tp is None) != (plan is None):
         raise SpecError("--tp N and --tp-plan MODULE:FUNCTION go together (the plan says how N ranks split)")
+    pipeline = _pipeline(args)
+    if pipeline is not None:
+        return pipeline
     if chosen is None:
         if getattr(args, "world_size", None) is not None:
             raise SpecError("--world-size goes with --strategy ddp|fsdp")
@@ -224,7 +228,9 @@ def _strategy(args: argparse.Namespace) -> Strategy | None:
 
 
 def _pipeline(args: argparse.Namespace) -> Pipeline | None:
-    """``--pp N --pp-split MODULE:FUNCTION``: rank 0's stage (the command estimates every stage)."""
+    """``--pp N --pp-split MODULE:FUNCTION``: rank 0's stage (the command estimates every stage); with
+    ``--strategy fsdp --world-size W`` and/or ``--tp T``, each stage sharded over W / (N x T) ranks
+    and/or split over T on a 3-D mesh."""
     pp, split = getattr(args, "pp", None), getattr(args, "pp_split", None)
     if pp is None:
         for dest, flag in (("pp_split", "--pp-split"), ("microbatches", "--microbatches")):
@@ -233,8 +239,25 @@ def _pipeline(args: argparse.Namespace) -> Pipeline | None:
         return None
     if split is None:
         raise SpecError("--pp N needs --pp-split MODULE:FUNCTION (the job's split of the model into stages)")
-    if getattr(args, "strategy", None) is not None or getattr(args, "tp", None) is not None:
-        raise SpecError("--pp goes alone: pipeline stages combined with --strategy or --tp are not simulated")
+    chosen, tp, tp_plan = (
+        getattr(args, "strategy", None),
+        getattr(args, "tp", None),
+        getattr(args, "tp_plan", None),
+    )
+    if chosen == "ddp":
+        raise SpecError(
+            "--pp goes alone, with --strategy fsdp (each stage sharded) or --tp; not with --strategy ddp"
+        )
+    tensor = 1 if tp is None else tp
+    data = 1
+    if chosen == "fsdp":
+        if args.world_size is None:
+            raise SpecError("--strategy fsdp needs --world-size N")
+        if args.world_size % (pp * tensor):
+            raise SpecError(f"--world-size {args.world_size} is not a multiple of --pp {pp} x --tp {tensor}")
+        data = args.world_size // (pp * tensor)
+    elif getattr(args, "world_size", None) is not None:
+        raise SpecError("--world-size goes with --strategy ddp|fsdp")
     if args.loop != "train":
         raise SpecError("--pp simulates training steps (a schedule runs forward and backward together)")
     from lightning_memest.cases import resolve_object, stage_cross_entropy
@@ -243,6 +266,12 @@ def _pipeline(args: argparse.Namespace) -> Pipeline | None:
     function = resolve_object(split, "--pp-split")
     if not callable(function):
         raise SpecError(f"--pp-split {split!r} is not a function (it is a {type(function).__name__!r})")
+    from lightning_memest.engine.parallel.plans import TensorThenShard
+
+    plan = None
+    if data * tensor > 1:
+        fsdp = _fsdp(args, data) if chosen == "fsdp" else None
+        plan = TensorThenShard(_tp_plan(tp_plan) if tp_plan is not None else None, fsdp)
     interleaved = args.pp_schedule == "Interleaved1F1B"
     try:
         return Pipeline(
@@ -252,6 +281,9 @@ def _pipeline(args: argparse.Namespace) -> Pipeline | None:
             schedule=args.pp_schedule,
             loss=stage_cross_entropy if args.loss == "cross_entropy" else None,
             stages_per_rank=args.pp_stages_per_rank if interleaved else 1,
+            data_parallel=data,
+            tensor_parallel=tensor,
+            plan=plan,
         )
     except ValueError as e:
         raise SpecError(str(e)) from None

@@ -1,7 +1,8 @@
 """Plans for :class:`~lightning_memest.engine.parallel.distributed.ModelParallel` built from simpler parts:
 the job's own tensor-parallel plan on the mesh's tensor-parallel dimension, then FSDP2 units over its
 data-parallel dimension -- what ``memest estimate --tp N --tp-plan MODULE:FUNCTION --strategy fsdp``
-runs (torchtitan's order: TP inside each block, then ``fully_shard`` on the blocks and the root).
+runs (torchtitan's order: TP inside each block, then ``fully_shard`` on the blocks and the root), and
+what ``--pp`` with either gives each pipeline stage.
 
 Example:
     >>> import torch
@@ -34,11 +35,14 @@ __all__ = ["TensorThenShard"]
 class TensorThenShard:
     """``plan(model, mesh)``: ``tensor_plan(model, mesh["tensor_parallel"])``, then ``fsdp``'s units
     (their classes, policy, resharding; its world size and rank are the mesh's) sharded over
-    ``mesh["data_parallel"]``, the root last."""
+    ``mesh["data_parallel"]``, the root last. Either may be ``None`` (a pipeline's stages only
+    sharded, or only split: ``memest --pp`` with ``--strategy fsdp`` or ``--tp``)."""
 
-    tensor_plan: Callable[[nn.Module, Any], Any]
-    fsdp: FSDP
+    tensor_plan: Callable[[nn.Module, Any], Any] | None
+    fsdp: FSDP | None
 
     def __call__(self, model: nn.Module, mesh: Any) -> None:
-        self.tensor_plan(model, mesh["tensor_parallel"])
-        shard_units(model, self.fsdp, mesh["data_parallel"])
+        if self.tensor_plan is not None:
+            self.tensor_plan(model, mesh["tensor_parallel"])
+        if self.fsdp is not None:
+            shard_units(model, self.fsdp, mesh["data_parallel"])
