@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no
 JOBS = {
     "1F1B": dist_worker.pipeline("1F1B"),
     "Interleaved1F1B": dist_worker.pipeline("Interleaved1F1B"),
+    "InterleavedZeroBubble": dist_worker.pipeline("InterleavedZeroBubble"),
     "1F1B x FSDP": dist_worker.pipeline("1F1B", data_parallel=2),
 }
 
@@ -51,6 +52,7 @@ def measured() -> Iterator[dict[str, dict[int, tuple[int, ...]]]]:
         ("1F1B", 1),
         ("Interleaved1F1B", 0),
         ("Interleaved1F1B", 1),
+        ("InterleavedZeroBubble", 0),
         ("1F1B x FSDP", 1),
         ("1F1B x FSDP", 2),
     ],
@@ -168,9 +170,9 @@ def test_a_pipeline_says_what_it_cannot_run() -> None:
         estimate_step(
             model, batch, strategy=Pipeline(2, split=lambda m, s, n: [m][s], microbatches=2, rank=1)
         )
-    with pytest.raises(ValueError, match="Interleaved1F1B runs several stages a rank"):
+    with pytest.raises(ValueError, match="InterleavedZeroBubble run several stages a rank"):
         Pipeline(2, split=halves, microbatches=2, schedule="Interleaved1F1B")
-    with pytest.raises(ValueError, match="schedule must be one of GPipe, 1F1B, Interleaved1F1B"):
+    with pytest.raises(ValueError, match="schedule must be one of GPipe, 1F1B, Interleaved1F1B, Interl"):
         Pipeline(2, split=halves, microbatches=2, schedule="ZeroBubble")
 
 

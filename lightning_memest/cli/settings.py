@@ -272,7 +272,7 @@ def _pipeline(args: argparse.Namespace) -> Pipeline | None:
     if data * tensor > 1:
         fsdp = _fsdp(args, data) if chosen == "fsdp" else None
         plan = TensorThenShard(_tp_plan(tp_plan) if tp_plan is not None else None, fsdp)
-    interleaved = args.pp_schedule == "Interleaved1F1B"
+    interleaved = args.pp_schedule.startswith("Interleaved")
     try:
         return Pipeline(
             pp,

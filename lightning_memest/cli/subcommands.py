@@ -184,14 +184,14 @@ def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
         "--pp-schedule",
         choices=PIPELINE_SCHEDULES,
         default="1F1B",
-        help="the schedule (default 1F1B); Interleaved1F1B runs --pp-stages-per-rank stages a rank",
+        help="the schedule (default 1F1B); the Interleaved ones run --pp-stages-per-rank stages a rank",
     )
     g.add_argument(
         "--pp-stages-per-rank",
         type=whole(2, 64),
         default=2,
         metavar="K",
-        help="with --pp-schedule Interleaved1F1B: stages a rank (default 2)",
+        help="with an Interleaved --pp-schedule: stages a rank (default 2)",
     )
 
 

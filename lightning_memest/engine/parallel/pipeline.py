@@ -59,8 +59,11 @@ __all__ = [
 ]
 
 #: The schedules a :class:`Pipeline` runs, by the names of ``torch.distributed.pipelining``'s classes
-#: (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``).
+#: (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``).
 SCHEDULES = PIPELINE_SCHEDULES
+
+#: The schedules that run several stages a rank (loop-style).
+_MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble")
 
 #: The device mesh of a :class:`Pipeline` with ``plan``: its ``plan`` is given the last two dimensions.
 PIPELINE_MESH_DIMS = ("pipeline", "data_parallel", "tensor_parallel")
@@ -76,8 +79,9 @@ StageLoss = Callable[[Any, Any], Tensor]
 class Pipeline:
     """Pipeline parallelism on ``stages`` ranks, seen from rank ``rank``: the model cut into stages by
     ``split``, each batch into ``microbatches``, run by ``schedule`` (one of :data:`SCHEDULES`).
-    ``Interleaved1F1B`` gives each rank ``stages_per_rank`` stages (rank ``r`` runs stages ``r``,
-    ``r + ranks``, ...; ``split`` is then asked for ``ranks * stages_per_rank`` stages).
+    ``Interleaved1F1B`` and ``InterleavedZeroBubble`` (backward split into its input and weight
+    gradients) give each rank ``stages_per_rank`` stages (rank ``r`` runs stages ``r``, ``r + ranks``,
+    ...; ``split`` is then asked for ``ranks * stages_per_rank`` stages).
 
     With a ``loss``, the batch is ``(inputs, target)``: the first stage gets the inputs, the last the
     target, cut into microbatches alike, and ``loss(output, target)`` is each microbatch's loss (the
@@ -128,10 +132,11 @@ class Pipeline:
             raise TypeError(f"Pipeline(loss=...) must be callable as loss(output, target); got {self.loss!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
-        if (self.schedule == "Interleaved1F1B") != (self.stages_per_rank > 1):
+        if (self.schedule in _MULTI_STAGE) != (self.stages_per_rank > 1):
             raise ValueError(
-                "Interleaved1F1B runs several stages a rank (stages_per_rank >= 2), GPipe and 1F1B one; "
-                f"got schedule={self.schedule!r} with stages_per_rank={self.stages_per_rank}"
+                "Interleaved1F1B and InterleavedZeroBubble run several stages a rank (stages_per_rank >= "
+                f"2), GPipe and 1F1B one; got schedule={self.schedule!r} with "
+                f"stages_per_rank={self.stages_per_rank}"
             )
 
     @property
@@ -257,6 +262,7 @@ class PipelineRun:
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
         )
 
         strategy = self.strategy
@@ -276,7 +282,12 @@ class PipelineRun:
             _announce_phases(stage, on_phase)
             self._stages.append(stage)
         loss = strategy.loss if strategy.loss is not None else _sum_loss
-        kind = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B, "Interleaved1F1B": ScheduleInterleaved1F1B}
+        kind = {
+            "GPipe": ScheduleGPipe,
+            "1F1B": Schedule1F1B,
+            "Interleaved1F1B": ScheduleInterleaved1F1B,
+            "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+        }
         schedule = kind[strategy.schedule]
         target = self._stages if strategy.stages_per_rank > 1 else self._stages[0]
         try:
