@@ -4,7 +4,7 @@ and a 7B answer's speed.
 1. TinyGPT (4 layers, d_model 256, batch 8 x 128, AdamW) as a real two-process CPU job (gloo backend)
    under DDP, FSDP2 and tensor parallelism of each block's MLP (``parallelize_module``), and the same
    decoder written for pipelines (``tests/pipeline_models.py``) in 2 stages, 4 microbatches, under
-   PyTorch's GPipe, 1F1B, interleaved 1F1B and interleaved zero-bubble schedules,
+   PyTorch's GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble, ZBV and DualPipeV schedules,
    each rank measured with the profiler's allocator events (``tests/dist_worker.py``), against the
    estimate of that rank (PyTorch's DDP / fully_shard on a fake process group). "settled" runs pause
    2 ms after each collective's wait so that gloo's worker thread has dropped its references first and
@@ -75,6 +75,8 @@ STRATEGIES: tuple[tuple[str, int, Callable[..., Any]], ...] = (
     ("PP GPipe", 2, _pipeline("GPipe")),
     ("PP Interleaved1F1B", 2, _pipeline("Interleaved1F1B")),
     ("PP InterleavedZeroBubble", 2, _pipeline("InterleavedZeroBubble")),
+    ("PP ZBVZeroBubble", 2, _pipeline("ZBVZeroBubble")),
+    ("PP DualPipeV", 2, _pipeline("DualPipeV")),
 )
 
 

@@ -62,7 +62,14 @@ STRATEGIES = ("ddp", "fsdp")
 
 #: The pipeline schedules simulated (``engine.parallel.pipeline``), by the names of
 #: ``torch.distributed.pipelining``'s classes (``ScheduleGPipe``, ``Schedule1F1B``, ...).
-PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
+PIPELINE_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
 
 #: What a plain model's batch does: a training step, a validation batch, a predict batch.
 PlainLoop = Literal["train", "validate", "predict"]

@@ -54,7 +54,7 @@ def pipeline(schedule: str = "1F1B", rank: int = 0, stages: int = 2, data_parall
     """The decoder on ``stages`` ranks, 4 microbatches of 2 sequences, next-token loss; interleaved,
     two stages a rank (a layer each); with ``data_parallel``, each stage sharded over that many ranks
     (:func:`pipe_fsdp_plan`)."""
-    per_rank = 2 if schedule.startswith("Interleaved") else 1
+    per_rank = 1 if schedule in ("GPipe", "1F1B") else 2
     return Pipeline(
         stages,
         split=split_decoder,

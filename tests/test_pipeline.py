@@ -24,12 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 
-#: The real jobs: the decoder's 4 layers on 2 ranks, 4 microbatches of 2 sequences; interleaved, two
-#: stages (a layer each) a rank; and 1F1B with each stage sharded over 2 ranks (FSDP2: 4 processes).
+#: The real jobs: the decoder's 4 layers on 2 ranks, 4 microbatches of 2 sequences; interleaved and as
+#: a V (zero-bubble: backward split into input and weight gradients), two stages (a layer each) a
+#: rank; and 1F1B with each stage sharded over 2 ranks (FSDP2: 4 processes). The other schedules'
+#: jobs are in benchmarks/distributed.py.
 JOBS = {
     "1F1B": dist_worker.pipeline("1F1B"),
     "Interleaved1F1B": dist_worker.pipeline("Interleaved1F1B"),
-    "InterleavedZeroBubble": dist_worker.pipeline("InterleavedZeroBubble"),
+    "ZBVZeroBubble": dist_worker.pipeline("ZBVZeroBubble"),
     "1F1B x FSDP": dist_worker.pipeline("1F1B", data_parallel=2),
 }
 
@@ -52,7 +54,7 @@ def measured() -> Iterator[dict[str, dict[int, tuple[int, ...]]]]:
         ("1F1B", 1),
         ("Interleaved1F1B", 0),
         ("Interleaved1F1B", 1),
-        ("InterleavedZeroBubble", 0),
+        ("ZBVZeroBubble", 0),
         ("1F1B x FSDP", 1),
         ("1F1B x FSDP", 2),
     ],
@@ -170,8 +172,10 @@ def test_a_pipeline_says_what_it_cannot_run() -> None:
         estimate_step(
             model, batch, strategy=Pipeline(2, split=lambda m, s, n: [m][s], microbatches=2, rank=1)
         )
-    with pytest.raises(ValueError, match="InterleavedZeroBubble run several stages a rank"):
+    with pytest.raises(ValueError, match="DualPipeV run several stages a rank"):
         Pipeline(2, split=halves, microbatches=2, schedule="Interleaved1F1B")
+    with pytest.raises(ValueError, match="ZBVZeroBubble runs two stages a rank"):
+        Pipeline(2, split=halves, microbatches=2, schedule="ZBVZeroBubble", stages_per_rank=3)
     with pytest.raises(ValueError, match="schedule must be one of GPipe, 1F1B, Interleaved1F1B, Interl"):
         Pipeline(2, split=halves, microbatches=2, schedule="ZeroBubble")
 

@@ -272,7 +272,7 @@ def _pipeline(args: argparse.Namespace) -> Pipeline | None:
     if data * tensor > 1:
         fsdp = _fsdp(args, data) if chosen == "fsdp" else None
         plan = TensorThenShard(_tp_plan(tp_plan) if tp_plan is not None else None, fsdp)
-    interleaved = args.pp_schedule.startswith("Interleaved")
+    several = args.pp_schedule not in ("GPipe", "1F1B")  # the others run several stages a rank
     try:
         return Pipeline(
             pp,
@@ -280,7 +280,7 @@ def _pipeline(args: argparse.Namespace) -> Pipeline | None:
             microbatches=pp if args.microbatches is None else args.microbatches,
             schedule=args.pp_schedule,
             loss=stage_cross_entropy if args.loss == "cross_entropy" else None,
-            stages_per_rank=args.pp_stages_per_rank if interleaved else 1,
+            stages_per_rank=args.pp_stages_per_rank if several else 1,
             data_parallel=data,
             tensor_parallel=tensor,
             plan=plan,

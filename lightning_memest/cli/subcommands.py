@@ -184,14 +184,15 @@ def _add_pipeline_flags(p: argparse.ArgumentParser) -> None:
         "--pp-schedule",
         choices=PIPELINE_SCHEDULES,
         default="1F1B",
-        help="the schedule (default 1F1B); the Interleaved ones run --pp-stages-per-rank stages a rank",
+        help="the schedule (default 1F1B); the others run --pp-stages-per-rank stages a rank (the V-shaped "
+        "ZBVZeroBubble and DualPipeV two)",
     )
     g.add_argument(
         "--pp-stages-per-rank",
         type=whole(2, 64),
         default=2,
         metavar="K",
-        help="with an Interleaved --pp-schedule: stages a rank (default 2)",
+        help="with a --pp-schedule of several stages a rank: how many (default 2)",
     )
 
 

@@ -59,11 +59,13 @@ __all__ = [
 ]
 
 #: The schedules a :class:`Pipeline` runs, by the names of ``torch.distributed.pipelining``'s classes
-#: (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble``).
+#: (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ...).
 SCHEDULES = PIPELINE_SCHEDULES
 
 #: The schedules that run several stages a rank (loop-style).
-_MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble")
+_MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+#: The schedules that place a rank's two stages as a V: rank ``r`` of ``n`` runs ``r`` and ``2n - 1 - r``.
+_V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 
 #: The device mesh of a :class:`Pipeline` with ``plan``: its ``plan`` is given the last two dimensions.
 PIPELINE_MESH_DIMS = ("pipeline", "data_parallel", "tensor_parallel")
@@ -81,7 +83,8 @@ class Pipeline:
     ``split``, each batch into ``microbatches``, run by ``schedule`` (one of :data:`SCHEDULES`).
     ``Interleaved1F1B`` and ``InterleavedZeroBubble`` (backward split into its input and weight
     gradients) give each rank ``stages_per_rank`` stages (rank ``r`` runs stages ``r``, ``r + ranks``,
-    ...; ``split`` is then asked for ``ranks * stages_per_rank`` stages).
+    ...; ``split`` is then asked for ``ranks * stages_per_rank`` stages); the V-shaped
+    ``ZBVZeroBubble`` and ``DualPipeV`` two (rank ``r`` runs ``r`` and ``2 x ranks - 1 - r``).
 
     With a ``loss``, the batch is ``(inputs, target)``: the first stage gets the inputs, the last the
     target, cut into microbatches alike, and ``loss(output, target)`` is each microbatch's loss (the
@@ -132,11 +135,12 @@ class Pipeline:
             raise TypeError(f"Pipeline(loss=...) must be callable as loss(output, target); got {self.loss!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
+        if self.schedule in _V_SHAPED and self.stages_per_rank != 2:
+            raise ValueError(f"{self.schedule} runs two stages a rank (stages_per_rank=2), placed as a V")
         if (self.schedule in _MULTI_STAGE) != (self.stages_per_rank > 1):
             raise ValueError(
-                "Interleaved1F1B and InterleavedZeroBubble run several stages a rank (stages_per_rank >= "
-                f"2), GPipe and 1F1B one; got schedule={self.schedule!r} with "
-                f"stages_per_rank={self.stages_per_rank}"
+                f"{', '.join(_MULTI_STAGE)} run several stages a rank (stages_per_rank >= 2), GPipe "
+                f"and 1F1B one; got schedule={self.schedule!r} with stages_per_rank={self.stages_per_rank}"
             )
 
     @property
@@ -168,8 +172,11 @@ class Pipeline:
 
 
 def stages_of(strategy: Pipeline, index: int) -> tuple[int, ...]:
-    """The stages the ranks of pipeline index ``index`` run, in order (loop-style: ``index``,
-    ``index + stages``, ...)."""
+    """The stages the ranks of pipeline index ``index`` run, in order: loop-style (``index``,
+    ``index + stages``, ...), or as a V for the V-shaped schedules (``index``, ``2 x stages - 1 -
+    index``)."""
+    if strategy.schedule in _V_SHAPED:
+        return (index, 2 * strategy.stages - 1 - index)
     return tuple(index + k * strategy.stages for k in range(strategy.stages_per_rank))
 
 
@@ -260,9 +267,11 @@ class PipelineRun:
         from torch.distributed.pipelining import (
             PipelineStage,
             Schedule1F1B,
+            ScheduleDualPipeV,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
             ScheduleInterleavedZeroBubble,
+            ScheduleZBVZeroBubble,
         )
 
         strategy = self.strategy
@@ -287,6 +296,8 @@ class PipelineRun:
             "1F1B": Schedule1F1B,
             "Interleaved1F1B": ScheduleInterleaved1F1B,
             "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+            "ZBVZeroBubble": ScheduleZBVZeroBubble,
+            "DualPipeV": ScheduleDualPipeV,
         }
         schedule = kind[strategy.schedule]
         target = self._stages if strategy.stages_per_rank > 1 else self._stages[0]
