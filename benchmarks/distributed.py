@@ -60,9 +60,14 @@ def _tp_fsdp(world_size: int, rank: int = 0) -> ModelParallel:
     return ModelParallel(world_size // 2, 2, plan=dist_worker.tp_fsdp_plan, rank=rank)
 
 
-def _pipeline(schedule: str) -> Callable[..., Pipeline]:
-    # the pipeline decoder's 4 layers on 2 ranks, 4 microbatches (interleaved: 2 stages a rank)
-    return lambda world_size, rank=0: dist_worker.pipeline(schedule, rank=rank, stages=world_size)
+def _pipeline(schedule: str, data_parallel: int = 1) -> Callable[..., Pipeline]:
+    # the pipeline decoder's 4 layers on 2 stages, 4 microbatches (the multi-stage schedules: 2 stages
+    # a rank), each stage sharded over `data_parallel` ranks
+    def make(world_size: int, rank: int = 0) -> Pipeline:
+        stages = world_size // data_parallel
+        return dist_worker.pipeline(schedule, rank=rank, stages=stages, data_parallel=data_parallel)
+
+    return make
 
 
 #: (name, world size, the strategy for (world size, rank=...)).
@@ -77,6 +82,7 @@ STRATEGIES: tuple[tuple[str, int, Callable[..., Any]], ...] = (
     ("PP InterleavedZeroBubble", 2, _pipeline("InterleavedZeroBubble")),
     ("PP ZBVZeroBubble", 2, _pipeline("ZBVZeroBubble")),
     ("PP DualPipeV", 2, _pipeline("DualPipeV")),
+    ("PP 1F1B x FSDP", 4, _pipeline("1F1B", data_parallel=2)),
 )
 
 
