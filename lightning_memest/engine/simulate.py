@@ -43,11 +43,8 @@ from lightning_memest.engine.fake import (
 )
 from lightning_memest.engine.hooks import module_scopes, saved_tensor_tags, storage_resizes
 from lightning_memest.engine.parallel.arrived import strip_fully_shard
-from lightning_memest.engine.parallel.distributed import (
-    DDP,
-    fake_process_group,
-    untracked_sharding_propagation,
-)
+from lightning_memest.engine.parallel.distributed import DDP, fake_process_group
+from lightning_memest.engine.parallel.fake_groups import untracked_sharding_propagation
 from lightning_memest.engine.parallel.meta_init import initialised_sharded
 from lightning_memest.engine.parallel.pipeline import Pipeline
 from lightning_memest.engine.real_path import real_path
