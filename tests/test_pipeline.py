@@ -166,6 +166,9 @@ def test_a_pipeline_says_what_it_cannot_run() -> None:
         estimate_step(model, batch, strategy=Pipeline(2, split=halves, microbatches=4))
     with pytest.raises(EstimationError, match=r"the batch is \(inputs, target\)"):
         estimate_step(model, batch, strategy=Pipeline(2, split=halves, microbatches=2, loss=token_loss))
+    with pytest.raises(EstimationError, match=r"a batch of \(\(8, 8\),\) needs a pipeline of its own"):
+        two = Pipeline(2, split=halves, microbatches=2)
+        estimate_step(model, torch.randn(4, 8), strategy=two, next_batches=[torch.randn(8, 8)])
     with pytest.raises(EstimationError, match="simulated for training steps"):
         estimate_step(model, batch, strategy=Pipeline(2, split=halves, microbatches=2), loop="validate")
     with pytest.raises(EstimationError, match="split failed for stage 1 of 2: IndexError"):

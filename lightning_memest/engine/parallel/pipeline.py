@@ -209,6 +209,7 @@ class PipelineRun:
         self.module: nn.Module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
         self._modules = modules
         self._schedule: Any = None
+        self._built_for: tuple[tuple[int, ...], ...] = ()
         self._stages: list[Any] = []
 
     def _cut(self, model: nn.Module, stage: int) -> nn.Module:
@@ -239,8 +240,14 @@ class PipelineRun:
         """One training step's forward and backward of every microbatch, by the schedule; the mean
         of the microbatches' losses on the last stage (as torchtitan logs it), else a ``-1`` marker."""
         inputs, target = self._parts(batch)
+        shapes = tuple(tuple(t.shape) for t in inputs if isinstance(t, Tensor))
         if self._schedule is None:
-            self._schedule = self._build(inputs, on_phase)
+            self._schedule, self._built_for = self._build(inputs, on_phase), shapes
+        elif shapes != self._built_for:
+            raise EstimationError(
+                f"Pipeline: the stages' buffers are sized by the first batch (inputs {self._built_for}); "
+                f"a batch of {shapes} needs a pipeline of its own (PipelineStage's shapes are static)"
+            )
         losses: list[Tensor] = []
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
         self._schedule.step(*(inputs if self.is_first else ()), **kwargs)
