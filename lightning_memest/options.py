@@ -192,8 +192,14 @@ def check_strategy(value: object) -> Strategy | None:
         "microbatches=...) or None"
     )
     if isinstance(value, str):
-        meant = {"ddp": "DDP", "fsdp": "FSDP", "tp": "TP", "pp": "Pipeline"}.get(value.strip().lower())
-        hint = f"strategy={meant}(world_size=N)" if meant else "one of them"
+        hints = {
+            "ddp": "DDP(world_size=N)",
+            "fsdp": "FSDP(world_size=N)",
+            "tp": "TP(world_size=N)",
+            "pp": "Pipeline(stages=N, split=..., microbatches=M)",
+        }
+        meant = hints.get(value.strip().lower())
+        hint = f"strategy={meant}" if meant else "one of them"
         raise TypeError(f"{wanted}; got the string {value!r}: pass {hint}")
     raise TypeError(f"{wanted}; got {_got(value)}")
 

@@ -259,13 +259,12 @@ def cross_entropy_loss(model: nn.Module, batch: Any) -> Tensor:
     flattened, so one function serves classifiers ``(B, C)`` and language models ``(B, SEQ, V)``.
     """
     x, target = batch
-    out = first_output(model(x))
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    return stage_cross_entropy(model(x), target)
 
 
 def stage_cross_entropy(output: Any, target: Tensor) -> Tensor:
-    """:func:`cross_entropy_loss` as a pipeline's last stage computes it, per microbatch: of the
-    stage's (first) output against the class ids (the schedule's ``loss_fn``)."""
+    """:func:`cross_entropy_loss` of an output already computed: a pipeline's last stage computes it
+    so, per microbatch (the schedule's ``loss_fn``)."""
     out = first_output(output)
     return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 

@@ -18,6 +18,7 @@ from lightning_memest.cases import case_batch_maker, estimate_case, measure_case
 from lightning_memest.cli.parser import PROG
 from lightning_memest.cli.progress import Progress, watched
 from lightning_memest.cli.settings import Settings
+from lightning_memest.engine.parallel.distributed import Strategy
 from lightning_memest.engine.parallel.pipeline import Pipeline
 from lightning_memest.errors import MemestError, SpecError, one_line
 from lightning_memest.fx import NODE_ORDERS, profile_graph
@@ -51,22 +52,19 @@ def _estimate(settings: Settings, out: TextIO) -> None:
         progress.update(f"building {args.model}")
         case = settings.build(args.model)
         # A pipeline's stages differ (the first keeps the most microbatches in flight, the last holds
-        # the head): each rank is estimated, and the worst is the estimate.
+        # the head): a rank of each stage (its first) is estimated, and the worst is the estimate.
+        strategies: list[Strategy | None] = [settings.strategy]
         staged = isinstance(settings.strategy, Pipeline)
-        ranks: Sequence[int | None] = [None]
-        if isinstance(settings.strategy, Pipeline):  # a rank of each stage (its first)
-            inner = settings.strategy.data_parallel * settings.strategy.tensor_parallel
-            ranks = [stage * inner for stage in range(settings.strategy.stages)]
+        if isinstance(settings.strategy, Pipeline):
+            pipeline = settings.strategy
+            inner = pipeline.data_parallel * pipeline.tensor_parallel
+            strategies = [dataclasses.replace(pipeline, rank=s * inner) for s in range(pipeline.stages)]
         stages: list[tuple[int, StepEstimate]] = []
-        for rank in ranks:
-            strategy = settings.strategy
-            if rank is not None and isinstance(strategy, Pipeline):
-                strategy = dataclasses.replace(strategy, rank=rank)
-                progress.update(
-                    f"estimating {args.model}: pipeline rank {rank}, stage {len(stages) + 1} of {len(ranks)}"
-                )
-            else:
-                progress.update(f"estimating {args.model}: simulating {_what(args.loop)} on fake tensors")
+        for strategy in strategies:
+            what = f"simulating {_what(args.loop)} on fake tensors"
+            if staged and strategy is not None:
+                what = f"pipeline rank {strategy.rank}, stage {len(stages) + 1} of {len(strategies)}"
+            progress.update(f"estimating {args.model}: {what}")
             est = estimate_case(
                 case,
                 device=args.device,
@@ -76,7 +74,7 @@ def _estimate(settings: Settings, out: TextIO) -> None:
                 loop=args.loop,
                 replay_blocks=args.replay_blocks,
             )
-            stages.append((0 if rank is None else rank, est))
+            stages.append((strategy.rank if strategy is not None else 0, est))
         worst, est = max(stages, key=lambda s: max(p.bytes for p in s[1].peaks))
     fits = _fits_gpu(est, args.gpu_memory)
     if args.json:

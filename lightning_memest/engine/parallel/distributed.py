@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -291,30 +292,15 @@ def pipeline_parts(
     """The pipeline's process group for ``strategy`` (the fake one inside :func:`fake_process_group`,
     else the default one), and with a ``plan`` what parallelises each stage: the plan on the job's
     3-D mesh's data- and tensor-parallel dimensions, its FSDP units tagging their gathered weights."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
-
     groups = _groups(strategy)
     plan = strategy.plan
     if plan is None:
         return groups[0], None
-    device_type = _device_type(model)
     shape = (strategy.stages, strategy.data_parallel, strategy.tensor_parallel)
-    with unset_fake_temporarily():  # the mesh is a small real tensor of ranks, sliced by value
-        if len(groups) == 1:  # a real job (a measured run): the mesh as torchtitan builds it
-            mesh = init_device_mesh(device_type, shape, mesh_dim_names=PIPELINE_MESH_DIMS)
-        else:
-            layout = torch.arange(strategy.world_size).view(shape)
-            mesh = DeviceMesh.from_group(
-                list(groups[1:]), device_type, mesh=layout, mesh_dim_names=PIPELINE_MESH_DIMS
-            )
+    mesh = _job_mesh(model, groups, shape, PIPELINE_MESH_DIMS)
+    with unset_fake_temporarily():  # sliced by the values of its ranks
         inner, group = mesh[MESH_DIMS], mesh["pipeline"].get_group()
-
-    def parallelize(stage: nn.Module) -> None:
-        plan(stage, inner)
-        _tag_gathered([m for m in stage.modules() if isinstance(m, FSDPModule)], on_buffers)
-
-    return group, parallelize
+    return group, lambda stage: _planned(stage, plan, inner, on_buffers)
 
 
 def _groups(strategy: Strategy) -> tuple[Any, ...]:
@@ -338,20 +324,36 @@ def _model_parallel(
 ) -> nn.Module:
     """``strategy.plan`` on a 2-D mesh over the data- and tensor-parallel groups (a job's own
     ``configure_model``); the units it sharded with ``fully_shard`` tag their gathered weights."""
+    shape = (strategy.data_parallel, strategy.tensor_parallel)
+    _planned(model, strategy.plan, _job_mesh(model, groups, shape, MESH_DIMS), on_buffers)
+    return model
+
+
+def _job_mesh(
+    model: nn.Module, groups: tuple[Any, ...], shape: tuple[int, ...], names: tuple[str, ...]
+) -> Any:
+    """The job's device mesh of ``shape`` and dimension ``names``, of the model's device: in a real job
+    (a measured run; ``groups`` is the default group alone) as Lightning and torchtitan build it, its
+    groups made; in a simulation over the fake groups ``groups[1:]``, one per dimension."""
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-    device_type, shape = _device_type(model), (strategy.data_parallel, strategy.tensor_parallel)
-    if len(groups) == 1:  # a real job (a measured run): the mesh as Lightning builds it, its groups made
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-    else:
-        with unset_fake_temporarily():  # the mesh is a small real tensor of ranks
-            layout = torch.arange(strategy.world_size).view(shape)
-            mesh = DeviceMesh.from_group(list(groups[1:]), device_type, mesh=layout, mesh_dim_names=MESH_DIMS)
-    strategy.plan(model, mesh)
+    device_type = _device_type(model)
+    with unset_fake_temporarily():  # the mesh is a small real tensor of ranks
+        if len(groups) == 1:
+            return init_device_mesh(device_type, shape, mesh_dim_names=names)
+        layout = torch.arange(math.prod(shape)).view(shape)
+        return DeviceMesh.from_group(list(groups[1:]), device_type, mesh=layout, mesh_dim_names=names)
+
+
+def _planned(
+    module: nn.Module, plan: Callable[[nn.Module, Any], Any], mesh: Any, on_buffers: BufferListener | None
+) -> None:
+    """``plan(module, mesh)`` (a job's ``configure_model`` body); the units it sharded with
+    ``fully_shard`` tag their gathered weights."""
     from torch.distributed.fsdp import FSDPModule
 
-    _tag_gathered([m for m in model.modules() if isinstance(m, FSDPModule)], on_buffers)
-    return model
+    plan(module, mesh)
+    _tag_gathered([m for m in module.modules() if isinstance(m, FSDPModule)], on_buffers)
 
 
 def _mesh(model: nn.Module, group: Any) -> Any:

@@ -148,11 +148,6 @@ class Pipeline:
         """The ranks of the job: ``stages`` x ``data_parallel`` x ``tensor_parallel``."""
         return self.stages * self.data_parallel * self.tensor_parallel
 
-    @property
-    def stage_indices(self) -> tuple[int, ...]:
-        """The stages this rank runs, in order (PyTorch's loop-style placement)."""
-        return stages_of(self, self.groups()[0][0])
-
     def groups(self) -> tuple[tuple[int, list[int]], tuple[int, list[int]], tuple[int, list[int]]]:
         """This rank's place in its pipeline, data-parallel and tensor-parallel groups: (its rank in the
         group, the group's global ranks) for each, in torchtitan's row-major layout (pipeline
@@ -208,6 +203,7 @@ class PipelineRun:
                 parallelize(module)
         self.module: nn.Module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
         self._modules = modules
+        self._device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         self._schedule: Any = None
         self._built_for: tuple[tuple[int, ...], ...] = ()
         self._stages: list[Any] = []
@@ -251,10 +247,9 @@ class PipelineRun:
         losses: list[Tensor] = []
         kwargs: dict[str, Any] = {"target": target, "losses": losses} if self.is_last else {}
         self._schedule.step(*(inputs if self.is_first else ()), **kwargs)
-        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         if losses:
             return torch.mean(torch.stack([loss.detach() for loss in losses]))
-        return torch.tensor([-1.0], device=device)
+        return torch.tensor([-1.0], device=self._device)
 
     def _parts(self, batch: Any) -> tuple[tuple[Any, ...], Any]:
         if self.strategy.loss is None:
@@ -283,14 +278,13 @@ class PipelineRun:
 
         strategy = self.strategy
         shapes = self._shapes(inputs)
-        device = next((p.device for p in self.module.parameters()), torch.device("cpu"))
         for index, module in zip(self.indices, self._modules, strict=True):
             args, outputs = shapes[index]
             stage = PipelineStage(
                 module,
                 index,
                 strategy.total_stages,
-                device,
+                self._device,
                 input_args=args,
                 output_args=outputs,
                 group=self._group,
